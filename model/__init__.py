@@ -1,0 +1,1 @@
+"""The inference engine: model families, loaders, tokenizer, caches and generation."""

@@ -1,0 +1,143 @@
+"""The generation loop: segmented prefill, then one token at a time with sampling, stopping on stop tokens."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from .llama import KVCache, Transformer
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.7  # 0 means greedy
+    top_k: int = 40  # 0 disables
+    top_p: float = 0.95  # 1 disables
+    seed: int | None = None
+
+
+class Sampler:
+    """Picks the next token from fp32 logits (B, V); reproducible under a seed."""
+
+    def __init__(self, params: SamplingParams, device: str | torch.device = "cpu"):
+        if params.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < params.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if params.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        self.params = params
+        self.generator = torch.Generator(device=device)
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        if p.temperature == 0:
+            return logits.argmax(dim=-1)
+        logits = logits / p.temperature
+        if 0 < p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1:
+            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            # Drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays).
+            drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= p.top_p
+            logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+        return torch.multinomial(logits.softmax(dim=-1), 1, generator=self.generator).squeeze(-1)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    stop_reason: str = ""  # "stop_token", "max_new_tokens" or "context_full"
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.new_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+class Session:
+    """A model with its KV cache and the tokens the cache holds, so later prompts that extend earlier ones
+    (a chat's next turn, another question on the same document) only prefill what is new."""
+
+    def __init__(self, model: Transformer, max_length: int, segment: int = 512):
+        self.model = model
+        self.cache: KVCache = model.new_cache(max_length)
+        self.tokens: list[int] = []
+        self.segment = segment
+        self.device = model.tok_embeddings.weight.device
+
+    @property
+    def max_length(self) -> int:
+        return self.cache.max_length
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int], on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+        """Make the cache hold exactly `prompt`, reusing the longest common prefix; returns the last logits (1, V).
+
+        Tokens are fed in segments, so no T x T score matrix is ever built."""
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) > self.max_length:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds {self.max_length}")
+        keep = 0
+        for a, b in zip(self.tokens, prompt[:-1]):  # at least one token is fed, to get its logits
+            if a != b:
+                break
+            keep += 1
+        new = torch.tensor([prompt[keep:]], device=self.device)
+        total, logits = new.shape[1], None
+        for s in range(0, total, self.segment):
+            logits = self.model(new[:, s : s + self.segment], keep + s, self.cache)
+            if on_progress:
+                on_progress(min(s + self.segment, total), total)
+        self.tokens = list(prompt)
+        return logits[:, -1]
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: list[int],
+        sampler: Sampler,
+        max_new_tokens: int,
+        stop_ids: frozenset[int] | set[int] = frozenset(),
+        stats: GenerationStats | None = None,
+        on_prefill_progress: Callable[[int, int], None] | None = None,
+    ) -> Iterator[int]:
+        """Yield new token ids one by one. Stop tokens end generation and are neither yielded nor cached."""
+        stats = stats if stats is not None else GenerationStats()
+        stats.prompt_tokens = len(prompt)
+        t0 = time.perf_counter()
+        logits = self.prefill(prompt, on_prefill_progress)
+        token = sampler(logits)
+        stats.prefill_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        stats.stop_reason = "max_new_tokens"
+        for _ in range(max_new_tokens):
+            token_id = int(token)
+            if token_id in stop_ids:
+                stats.stop_reason = "stop_token"
+                break
+            stats.new_tokens += 1
+            yield token_id
+            if len(self.tokens) >= self.max_length:
+                stats.stop_reason = "context_full"
+                break
+            logits = self.model(token.view(1, 1), len(self.tokens), self.cache)[:, -1]
+            self.tokens.append(token_id)
+            token = sampler(logits)
+        stats.decode_seconds = time.perf_counter() - t0

@@ -1,0 +1,203 @@
+"""The llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM) as one readable file.
+
+RMSNorm, rotary position embedding (the rotate-half layout), grouped-query attention over a preallocated KV cache,
+SwiGLU MLP. Q/K/V and gate/up projections are fused into one matmul each: fewer Python calls per token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaConfig:
+    arch: str = "llama"
+    vocab_size: int = 32000
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 32
+    head_dim: int = 128
+    ffn_dim: int = 11008
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    context_length: int = 4096  # the context the model was trained for
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head's q and k before RoPE
+    # Per-frequency divisors for long-context RoPE (Llama 3.1's "llama3" scaling); None means plain RoPE.
+    rope_freq_factors: list[float] | None = field(default=None, repr=False)
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.n_layers * self.kv_dim * torch.finfo(dtype).bits // 8
+
+
+def rope_tables(config: LlamaConfig, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (length, head_dim), computed in fp32 and cast once."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.float32) * 2 / config.head_dim))
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, heads, D); cos/sin: (T, 1, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class KVCache(nn.Module):
+    """Static K/V buffers, (batch, kv_heads, max_length, head_dim) per layer, filled left to right."""
+
+    def __init__(self, config: LlamaConfig, max_length: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        shape = (config.n_layers, batch, config.n_kv_heads, max_length, config.head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.max_length = max_length
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k/v for positions [start, start+T) and return the filled part of the layer's cache."""
+        end = start + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.wqkv = nn.Linear(config.dim, config.q_dim + 2 * config.kv_dim, bias=config.qkv_bias)
+        self.wo = nn.Linear(config.q_dim, config.dim, bias=False)
+        if config.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(config.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(config.head_dim))
+        self.norm_eps = config.norm_eps
+        self.qk_norm = config.qk_norm
+
+    def forward(self, x, cos, sin, mask, cache: KVCache, start: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, KV = self.n_heads, self.n_kv_heads
+        qkv = self.wqkv(x).view(B, T, H + 2 * KV, self.head_dim)
+        qk, v = qkv[:, :, : H + KV], qkv[:, :, H + KV :]
+        if self.qk_norm:
+            qk = torch.cat([F.rms_norm(qk[:, :, :H], (self.head_dim,), self.q_norm, self.norm_eps),
+                            F.rms_norm(qk[:, :, H:], (self.head_dim,), self.k_norm, self.norm_eps)], dim=2)
+        qk = apply_rope(qk, cos, sin)  # q and k heads rotated in one go
+        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
+        keys, values = cache.update(self.layer, start, k, v.transpose(1, 2))
+        # A single query sees the whole filled cache and needs no mask; the first segment is plainly causal;
+        # a later segment gets an explicit (T, start+T) mask.
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=T > 1 and start == 0, enable_gqa=KV != H)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.ffn_dim = config.ffn_dim
+        self.w13 = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig, layer: int):
+        super().__init__()
+        self.attention_norm = nn.Parameter(torch.ones(config.dim))
+        self.attention = Attention(config, layer)
+        self.ffn_norm = nn.Parameter(torch.ones(config.dim))
+        self.feed_forward = FeedForward(config)
+        self.eps = config.norm_eps
+
+    def forward(self, x, cos, sin, mask, cache, start):
+        shape = (x.shape[-1],)
+        x = x + self.attention(F.rms_norm(x, shape, self.attention_norm, self.eps), cos, sin, mask, cache, start)
+        return x + self.feed_forward(F.rms_norm(x, shape, self.ffn_norm, self.eps))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = nn.Parameter(torch.ones(config.dim))
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self._rope_length = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    def new_cache(self, max_length: int, batch: int = 1) -> KVCache:
+        self._ensure_rope(max_length)
+        return KVCache(self.config, max_length, batch, self.dtype, self.tok_embeddings.weight.device)
+
+    def _ensure_rope(self, length: int) -> None:
+        if length > self._rope_length:
+            cos, sin = rope_tables(self.config, length, self.dtype)
+            device = self.tok_embeddings.weight.device
+            self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+            self._rope_length = length
+
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
+        """tokens (B, T) at positions [start, start+T); returns fp32 logits (B, T, V), or (B, 1, V) for the last."""
+        T = tokens.shape[1]
+        if start + T > cache.max_length:
+            raise ValueError(f"cache holds {cache.max_length} tokens; asked for positions up to {start + T}")
+        cos, sin = self.rope_cos[start : start + T, None], self.rope_sin[start : start + T, None]
+        mask = None
+        if T > 1 and start > 0:
+            rows = torch.arange(start, start + T, device=tokens.device)[:, None]
+            mask = torch.arange(start + T, device=tokens.device)[None, :] <= rows
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache, start)
+        if not all_logits:
+            x = x[:, -1:]
+        return self.output(F.rms_norm(x, (x.shape[-1],), self.norm, self.config.norm_eps)).float()
+
+
+def rope_scaling_factors(head_dim: int, theta: float, scaling: dict) -> list[float]:
+    """Llama 3.1's "llama3" RoPE scaling as per-frequency divisors of the inverse frequency."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    original = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = original / low, original / high
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return factors

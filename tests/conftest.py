@@ -1,0 +1,45 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+# The package is used from the checkout, not installed: make `import model` work from any working directory.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+@pytest.fixture(scope="session")
+def default_gguf_metadata() -> dict:
+    from model.default_model import default_model_path
+    from model.gguf_file import read_gguf
+
+    return read_gguf(default_model_path()).metadata
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_gguf_metadata):
+    """Our tokenizer for the default model (SmolLM2-135M-Instruct)."""
+    from model.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf_metadata(default_gguf_metadata)
+
+
+@pytest.fixture(scope="session")
+def reference_tokenizer():
+    """transformers' tokenizer for the default GGUF, the reference for parity tests.
+
+    transformers' GGUF loader builds a plain ByteLevel pre-tokenizer and ignores the file's `smollm` one, so the one
+    the model was trained with (digits split one by one, then ByteLevel) is put back here.
+    """
+    from tokenizers import pre_tokenizers
+    from transformers import AutoTokenizer
+
+    from model.default_model import default_model_path
+
+    path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    return tokenizer

@@ -1,0 +1,152 @@
+"""Loading llama-family models from Hugging Face directories and GGUF files, checked against transformers, and the
+one-line errors for files we cannot use."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from model.errors import ModelLoadError
+from model.loader import load_model
+from tests.tiny_models import dequantized_copy, make_hf_model, save_hf_dir, write_gguf
+
+VOCAB = 49152  # the default model's tokenizer is reused, so the tiny models share its vocabulary
+
+
+def our_logits(loaded, ids: torch.Tensor, segment: int | None = None) -> torch.Tensor:
+    model = loaded.model
+    cache = model.new_cache(ids.shape[1])
+    segment = segment or ids.shape[1]
+    with torch.inference_mode():
+        parts = [model(ids[:, s : s + segment], s, cache, all_logits=True) for s in range(0, ids.shape[1], segment)]
+    return torch.cat(parts, dim=1)
+
+
+def reference_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(ids).logits
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(17, VOCAB, (1, 77), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides, shard",
+    [
+        ("llama", {}, False),
+        ("llama", {"tie_word_embeddings": True}, True),
+        ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}, False),
+        ("mistral", {}, True),
+        ("qwen2", {}, False),
+        ("qwen3", {"head_dim": 32}, False),
+    ],
+    ids=["llama", "llama-tied-sharded", "llama3-rope-scaling", "mistral-sharded", "qwen2-bias", "qwen3-qk-norm"],
+)
+def test_hf_directory_matches_transformers(tmp_path, reference_tokenizer, ids, model_type, overrides, shard):
+    hf = make_hf_model(model_type, VOCAB, **overrides)
+    path = save_hf_dir(hf, reference_tokenizer, tmp_path / model_type, shard=shard)
+    if shard:
+        assert (path / "model.safetensors.index.json").exists()
+    loaded = load_model(path, torch.float32)
+    assert loaded.config.arch == model_type
+    expected = reference_logits(hf, ids)
+    assert (our_logits(loaded, ids) - expected).abs().max().item() <= 1e-4
+    # Segmented prefill (a causal mask with an offset) gives the same logits.
+    assert (our_logits(loaded, ids, segment=20) - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch, model_type", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
+def test_gguf_f32_matches_transformers(tmp_path, default_gguf_metadata, ids, arch, model_type):
+    """F32 tensors: exact weights, so only float rounding separates us from transformers. For llama the Q/K rows
+    are stored permuted, as llama.cpp writes them, and must be un-permuted on load."""
+    hf = make_hf_model(model_type, VOCAB, **({"head_dim": 32} if model_type == "qwen3" else {}))
+    path = write_gguf(hf, tmp_path / f"{arch}.gguf", default_gguf_metadata, arch=arch)
+    loaded = load_model(path, torch.float32)
+    assert (our_logits(loaded, ids) - reference_logits(hf, ids)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_gguf_quantized_weights_are_dequantized_exactly(tmp_path, default_gguf_metadata, ids, qtype):
+    """Quantized blocks: our logits equal those of the transformers model whose weights went through the same
+    quantize/dequantize round trip."""
+    hf = make_hf_model("llama", VOCAB)
+    path = write_gguf(hf, tmp_path / f"{qtype}.gguf", default_gguf_metadata, qtype=qtype)
+    loaded = load_model(path, torch.float32)
+    expected = reference_logits(dequantized_copy(hf, qtype), ids)
+    assert (our_logits(loaded, ids) - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_tensors_read_in_row_major_order(tmp_path, qtype):
+    """K-quant blocks (which the gguf package can read but not write) come out with the declared (rows, cols)
+    shape and each row's values in place: compare with dequantizing the same bytes row by row."""
+    import gguf
+    import numpy as np
+
+    from model.gguf_file import read_gguf
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    block, type_size = gguf.GGML_QUANT_SIZES[kind]
+    rows, cols = 3, 2 * block
+    raw = np.random.default_rng(0).integers(0, 256, size=(rows, cols // block * type_size), dtype=np.uint8)
+    # Each block's fp16 super-scale(s) sit at its start (Q2_K/Q3_K/Q6_K: at the end); random bits can be inf or
+    # nan, so give every fp16 slot a sane value by clearing the exponent's top bits.
+    raw[:, 1::2] &= 0x3B
+    path = tmp_path / "k.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("t", raw, raw_dtype=kind)  # the byte shape; the writer derives (rows, cols)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    values = read_gguf(path).tensor("t")
+    assert values.shape == (rows, cols)
+    for r in range(rows):
+        expected = torch.from_numpy(np.array(gguf.quants.dequantize(raw[r : r + 1], kind))).reshape(-1)
+        torch.testing.assert_close(values[r], expected, equal_nan=True)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_model(tmp_path / "nope.gguf", torch.float32)
+
+
+def test_truncated_gguf(tmp_path):
+    from model.default_model import default_model_path
+
+    data = default_model_path().read_bytes()
+    for cut in (100, 2_000_000, len(data) - 1000):
+        path = tmp_path / f"cut{cut}.gguf"
+        path.write_bytes(data[:cut])
+        with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+            load_model(path, torch.float32)
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "text.gguf"
+    path.write_text("hello")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model(path, torch.float32)
+
+
+def test_unknown_gguf_architecture(tmp_path, default_gguf_metadata):
+    hf = make_hf_model("llama", VOCAB)
+    path = write_gguf(hf, tmp_path / "x.gguf", default_gguf_metadata, arch="mamba")
+    with pytest.raises(ModelLoadError, match="unsupported model architecture 'mamba'"):
+        load_model(path, torch.float32)
+
+
+def test_unknown_hf_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 8}))
+    with pytest.raises(ModelLoadError, match="unsupported model architecture 'gpt_neox'"):
+        load_model(tmp_path, torch.float32)
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path, torch.float32)
