@@ -65,7 +65,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache(nn.Module):
-    """Static K/V buffers, (batch, kv_heads, max_length, head_dim) per layer, filled left to right."""
+    """Dense attention over static K/V buffers, (batch, kv_heads, max_length, head_dim) per layer, filled left to
+    right. The cache owns how a layer attends to its history, so other caches (sparse, offloaded) can take its
+    place: `begin` is called once per forward, then `attend` once per layer with unrotated q/k."""
 
     def __init__(self, config: LlamaConfig, max_length: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
@@ -73,13 +75,33 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.max_length = max_length
+        self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k/v for positions [start, start+T) and return the filled part of the layer's cache."""
-        end = start + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+    def begin(self, start: int, length: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Positions [start, start+length) come next; cos/sin are the model's full RoPE tables."""
+        if start + length > self.max_length:
+            raise ValueError(f"cache holds {self.max_length} tokens; asked for positions up to {start + length}")
+        self.start, self.end = start, start + length
+        self.cos, self.sin = cos[start : self.end, None], sin[start : self.end, None]
+        # A single query sees the whole filled cache and needs no mask; the first segment is plainly causal;
+        # a later segment gets an explicit (length, start+length) mask.
+        self.mask = None
+        if length > 1 and start > 0:
+            rows = torch.arange(start, self.end, device=cos.device)[:, None]
+            self.mask = torch.arange(self.end, device=cos.device)[None, :] <= rows
+
+    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """qk: (B, T, H + KV, D) query heads then key heads, unrotated; v: (B, T, KV, D). Returns (B, T, H * D)."""
+        B, T = qk.shape[:2]
+        H = self.n_heads
+        qk = apply_rope(qk, self.cos, self.sin)  # q and k heads rotated in one go
+        q = qk[:, :, :H].transpose(1, 2)
+        self.k[layer, :, :, self.start : self.end] = qk[:, :, H:].transpose(1, 2)
+        self.v[layer, :, :, self.start : self.end] = v.transpose(1, 2)
+        keys, values = self.k[layer, :, :, : self.end], self.v[layer, :, :, : self.end]
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, is_causal=self.mask is None and T > 1,
+                                           enable_gqa=self.n_kv_heads != H)
+        return y.transpose(1, 2).reshape(B, T, -1)
 
 
 class Attention(nn.Module):
@@ -95,7 +117,7 @@ class Attention(nn.Module):
         self.norm_eps = config.norm_eps
         self.qk_norm = config.qk_norm
 
-    def forward(self, x, cos, sin, mask, cache: KVCache, start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         B, T, _ = x.shape
         H, KV = self.n_heads, self.n_kv_heads
         qkv = self.wqkv(x).view(B, T, H + 2 * KV, self.head_dim)
@@ -103,13 +125,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             qk = torch.cat([F.rms_norm(qk[:, :, :H], (self.head_dim,), self.q_norm, self.norm_eps),
                             F.rms_norm(qk[:, :, H:], (self.head_dim,), self.k_norm, self.norm_eps)], dim=2)
-        qk = apply_rope(qk, cos, sin)  # q and k heads rotated in one go
-        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
-        keys, values = cache.update(self.layer, start, k, v.transpose(1, 2))
-        # A single query sees the whole filled cache and needs no mask; the first segment is plainly causal;
-        # a later segment gets an explicit (T, start+T) mask.
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=T > 1 and start == 0, enable_gqa=KV != H)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        return self.wo(cache.attend(self.layer, qk, v))
 
 
 class FeedForward(nn.Module):
@@ -133,9 +149,9 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(config)
         self.eps = config.norm_eps
 
-    def forward(self, x, cos, sin, mask, cache, start):
+    def forward(self, x, cache):
         shape = (x.shape[-1],)
-        x = x + self.attention(F.rms_norm(x, shape, self.attention_norm, self.eps), cos, sin, mask, cache, start)
+        x = x + self.attention(F.rms_norm(x, shape, self.attention_norm, self.eps), cache)
         return x + self.feed_forward(F.rms_norm(x, shape, self.ffn_norm, self.eps))
 
 
@@ -168,17 +184,10 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """tokens (B, T) at positions [start, start+T); returns fp32 logits (B, T, V), or (B, 1, V) for the last."""
-        T = tokens.shape[1]
-        if start + T > cache.max_length:
-            raise ValueError(f"cache holds {cache.max_length} tokens; asked for positions up to {start + T}")
-        cos, sin = self.rope_cos[start : start + T, None], self.rope_sin[start : start + T, None]
-        mask = None
-        if T > 1 and start > 0:
-            rows = torch.arange(start, start + T, device=tokens.device)[:, None]
-            mask = torch.arange(start + T, device=tokens.device)[None, :] <= rows
+        cache.begin(start, tokens.shape[1], self.rope_cos, self.rope_sin)
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache, start)
+            x = layer(x, cache)
         if not all_logits:
             x = x[:, -1:]
         return self.output(F.rms_norm(x, (x.shape[-1],), self.norm, self.config.norm_eps)).float()
