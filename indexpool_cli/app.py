@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Annotated, Optional
 
+import functools
+
 import typer
 
 from model.errors import ModelLoadError
@@ -26,6 +28,23 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
+
+def command(fn):
+    """Register a command. A reader that goes away (`| head`) ends it quietly with exit 0, Ctrl-C with 130:
+    handled here because click's own handlers would exit 1 for both."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+            sys.exit(0)
+        except KeyboardInterrupt:
+            fail("interrupted", code=130)
+
+    return app.command()(run)
+
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file or a Hugging Face model directory (default: SmolLM2-135M-Instruct).", envvar="INDEXPOOL_MODEL")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bf16 where the CPU has it, else fp32), bf16, fp16 or fp32.")]
@@ -117,7 +136,7 @@ def _context_for(loaded, prompt_len: int, max_new_tokens: int) -> int:
     return min(limit, prompt_len + max_new_tokens)
 
 
-@app.command()
+@command
 def complete(
     prompt: Annotated[Optional[str], typer.Argument(help="Text to continue; '-' or a pipe reads stdin.")] = None,
     model: ModelOpt = None,
@@ -149,7 +168,7 @@ def complete(
         show_stats(stats, newline=not out.endswith("\n"))
 
 
-@app.command()
+@command
 def chat(
     model: ModelOpt = None,
     system: Annotated[Optional[str], typer.Option("--system", help="A system message.")] = None,
@@ -204,7 +223,7 @@ def chat(
             sys.stdout.flush()
 
 
-@app.command()
+@command
 def info(
     model: ModelOpt = None,
     dtype: DtypeOpt = "auto",
@@ -243,7 +262,7 @@ def info(
         print(f"{key.replace('_', ' '):<{width}}  {shown}")
 
 
-@app.command()
+@command
 def bench(
     model: ModelOpt = None,
     contexts: Annotated[str, typer.Option("--contexts", help="Comma-separated context lengths for decode.")] = "512,4096",
@@ -264,11 +283,5 @@ def main() -> None:
         app()
     except (ModelLoadError, InputError) as e:
         fail(str(e), code=3)
-    except KeyboardInterrupt:
-        fail("interrupted", code=130)
-    except BrokenPipeError:
-        # The reader went away (e.g. `| head`): stop quietly, as Unix tools do, without a flush error at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
     except Exception as e:  # anything else is our bug or the machine's; still one line, no traceback
         fail(f"{type(e).__name__}: {e}", code=1)

