@@ -48,6 +48,7 @@ def command(fn):
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file or a Hugging Face model directory (default: SmolLM2-135M-Instruct).", envvar="INDEXPOOL_MODEL")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bf16 where the CPU has it, else fp32), bf16, fp16 or fp32.")]
+DecodeWeightsOpt = Annotated[str, typer.Option("--decode-weights", help="Weights for one-token decode steps on a bf16 CPU model: auto (int4 for 4-bit files, else int8), int4, int8 or off.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: one per physical core).")]
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens to generate.")]
 TempOpt = Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 for greedy decoding.")]
@@ -58,13 +59,18 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object ins
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or statistics on stderr.")]
 
 
-def _load(model: str | None, dtype: str, threads: int | None, quiet: bool):
-    from model.runtime import load_engine, set_threads
+def _load(model: str | None, dtype: str, threads: int | None, quiet: bool, decode_weights: str = "auto"):
+    from model.runtime import decode_bits, default_device, load_engine, resolve_dtype, set_threads
 
-    set_threads(threads)
+    try:
+        resolve_dtype(dtype, default_device())
+        decode_bits(decode_weights, 16)
+        set_threads(threads)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     t0 = time.perf_counter()
     with err_console.status("loading model", spinner="dots") if err_console.is_terminal and not quiet else _null():
-        loaded = load_engine(model, dtype)
+        loaded = load_engine(model, dtype, decode_weights=decode_weights)
     if err_console.is_terminal and not quiet:
         err_console.print(f"[dim]{loaded.name} ({loaded.model.dtype}) loaded in {time.perf_counter() - t0:.1f}s[/dim]")
     return loaded
@@ -146,6 +152,7 @@ def complete(
     top_p: TopPOpt = 0.95,
     seed: SeedOpt = None,
     dtype: DtypeOpt = "auto",
+    decode_weights: DecodeWeightsOpt = "auto",
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -155,7 +162,7 @@ def complete(
 
     text = read_text_input(prompt)
     sampler = _sampler(temperature, top_k, top_p, seed)
-    loaded = _load(model, dtype, threads, quiet)
+    loaded = _load(model, dtype, threads, quiet, decode_weights)
     tok = loaded.tokenizer
     ids = ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(text)
     if not ids:
@@ -178,6 +185,7 @@ def chat(
     top_p: TopPOpt = 0.95,
     seed: SeedOpt = None,
     dtype: DtypeOpt = "auto",
+    decode_weights: DecodeWeightsOpt = "auto",
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -186,7 +194,7 @@ def chat(
     from model.generate import Session
 
     sampler = _sampler(temperature, top_k, top_p, seed)
-    loaded = _load(model, dtype, threads, quiet)
+    loaded = _load(model, dtype, threads, quiet, decode_weights)
     tok = loaded.tokenizer
     session = Session(loaded.model, loaded.config.context_length)
     base = [{"role": "system", "content": system}] if system else []
@@ -227,13 +235,16 @@ def chat(
 def info(
     model: ModelOpt = None,
     dtype: DtypeOpt = "auto",
+    decode_weights: DecodeWeightsOpt = "auto",
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ):
     """Describe the model: size, dtype, threads, context length and cache bytes per token."""
     import torch
 
-    loaded = _load(model, dtype, threads, quiet=True)
+    from model.quant import DecodeQuantLinear
+
+    loaded = _load(model, dtype, threads, quiet=True, decode_weights=decode_weights)
     cfg, m = loaded.config, loaded.model
     params = sum(p.numel() for p in {id(p): p for p in m.parameters()}.values())
     facts = {
@@ -252,6 +263,7 @@ def info(
         "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size,
         "kv_cache_bytes_per_token": cfg.kv_bytes_per_token(m.dtype),
+        "decode_weights": "+".join(f"int{b}" for b in sorted({q.bits for q in m.modules() if isinstance(q, DecodeQuantLinear)})) or "same as dtype",
     }
     if json_out:
         print(json.dumps(facts))

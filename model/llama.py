@@ -86,9 +86,10 @@ class KVCache(nn.Module):
         # A single query sees the whole filled cache and needs no mask; the first segment is plainly causal;
         # a later segment gets an explicit (length, start+length) mask.
         self.mask = None
-        if length > 1 and start > 0:
+        if length > 1 and start > 0:  # additive, built once per forward rather than converted in every layer
             rows = torch.arange(start, self.end, device=cos.device)[:, None]
-            self.mask = torch.arange(self.end, device=cos.device)[None, :] <= rows
+            hidden = torch.arange(self.end, device=cos.device)[None, :] > rows
+            self.mask = torch.zeros(hidden.shape, dtype=self.k.dtype, device=cos.device).masked_fill_(hidden, float("-inf"))
 
     def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """qk: (B, T, H + KV, D) query heads then key heads, unrotated; v: (B, T, KV, D). Returns (B, T, H * D)."""

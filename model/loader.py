@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from gguf import GGML_QUANT_SIZES
 
 from .default_model import default_model_path
 from .errors import ModelLoadError
@@ -34,6 +35,7 @@ class LoadedModel:
     source: Path
     name: str
     file_bytes: int
+    source_bits_per_weight: float  # storage of the block weights in the file (Q4_1: 5.0, bf16: 16)
 
 
 def load_model(spec: str | os.PathLike | None, dtype: torch.dtype, device: str | torch.device = "cpu") -> LoadedModel:
@@ -151,7 +153,8 @@ def _load_gguf(path: Path, dtype, device) -> LoadedModel:
 
     model = build_transformer(config, get, dtype, device)
     name = str(g.metadata.get("general.name") or path.stem)
-    return LoadedModel(model, tokenizer, config, path, name, path.stat().st_size)
+    block, type_size = GGML_QUANT_SIZES[g.tensors["blk.0.ffn_up.weight"].qtype]
+    return LoadedModel(model, tokenizer, config, path, name, path.stat().st_size, 8 * type_size / block)
 
 
 # ------------------------------------------------------------------------------------------ Hugging Face
@@ -252,7 +255,8 @@ def _load_hf_dir(path: Path, dtype, device) -> LoadedModel:
 
     model = build_transformer(config, get, dtype, device)
     size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    return LoadedModel(model, tokenizer, config, path, raw.get("_name_or_path") or path.name, size)
+    bits = torch.finfo(get("0.up").dtype).bits
+    return LoadedModel(model, tokenizer, config, path, raw.get("_name_or_path") or path.name, size, bits)
 
 
 def _required(value, key: str, where: Path):

@@ -7,7 +7,7 @@ import os
 import torch
 
 from .loader import LoadedModel, load_model
-from .quant import use_int8_decode
+from .quant import quantize_for_decode
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -39,11 +39,28 @@ def set_threads(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-def load_engine(model: str | os.PathLike | None, dtype: str = "auto", device: str | None = None, int8_decode: bool = True) -> LoadedModel:
-    """Load a model for generation. On a bf16 CPU model, decode steps use int8 weight copies unless disabled."""
+DECODE_WEIGHTS = ("auto", "int4", "int8", "off")
+
+
+def decode_bits(choice: str, source_bits_per_weight: float) -> int | None:
+    """auto: int4 for models stored in 5 bits or fewer per weight (Q4_0, Q4_1, Q4_K...: int4 in groups of 32
+    loses next to nothing more), int8 otherwise."""
+    if choice not in DECODE_WEIGHTS:
+        raise ValueError(f"unknown decode weights '{choice}' (choose {', '.join(DECODE_WEIGHTS)})")
+    if choice == "auto":
+        return 4 if source_bits_per_weight <= 5 else 8
+    return {"int4": 4, "int8": 8, "off": None}[choice]
+
+
+def load_engine(model: str | os.PathLike | None, dtype: str = "auto", device: str | None = None, decode_weights: str = "auto") -> LoadedModel:
+    """Load a model for generation. A bf16 model on the CPU decodes with quantized weight copies unless
+    `decode_weights` is "off". The output layer stays int8: GGUF files keep it at 8 bits or more (the default
+    model's tied embedding is Q8_0), as the matrix whose rounding reaches the logits directly."""
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
+    decode_bits(decode_weights, 16)  # validate before the slow load
     loaded = load_model(model, torch_dtype, device)
-    if int8_decode and device == "cpu" and torch_dtype == torch.bfloat16:
-        use_int8_decode(loaded.model)
+    bits = decode_bits(decode_weights, loaded.source_bits_per_weight)
+    if bits and device == "cpu" and torch_dtype == torch.bfloat16:
+        quantize_for_decode(loaded.model, bits, keep_int8=("output",))
     return loaded

@@ -1,5 +1,5 @@
 """The generation loop on the real default model (SmolLM2-135M-Instruct): sampling, stop tokens, KV-cache reuse
-across prompts in one Session, a full context, and the bf16 + int8 decode path; plus Sampler unit tests on
+across prompts in one Session, a full context, and the bf16 + int4/int8 decode path; plus Sampler unit tests on
 hand-made logits."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model.generate import GenerationStats, Sampler, SamplingParams, Session
-from model.quant import DecodeInt8Linear
+from model.quant import DecodeQuantLinear
 from model.runtime import cpu_has_bf16, load_engine, resolve_dtype
 
 PROMPT = "The capital of France is"
@@ -16,13 +16,13 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def engine():
-    """The default model in fp32 (no int8 decode weights): the numerically plain reference."""
+    """The default model in fp32 (no quantized decode weights): the numerically plain reference."""
     return load_engine(None, "fp32")
 
 
 @pytest.fixture(scope="module")
 def bf16_engine():
-    # "bf16" explicitly, so the bf16 + int8 decode path is exercised on any CPU; on a CPU with native bf16 this is
+    # "bf16" explicitly, so the bf16 + quantized decode path is exercised on any CPU; on a CPU with native bf16 this is
     # exactly what load_engine(None) gives (checked in the test).
     return load_engine(None, "bf16")
 
@@ -224,14 +224,16 @@ def test_context_full(engine):
     assert len(session.tokens) == session.max_length
 
 
-def test_bf16_int8_decode_agrees_with_fp32_on_a_short_prefix(engine, bf16_engine):
+def test_bf16_quantized_decode_agrees_with_fp32_on_a_short_prefix(engine, bf16_engine):
     if cpu_has_bf16():
         assert resolve_dtype("auto", "cpu") == torch.bfloat16  # load_engine(None) is this very configuration
     assert bf16_engine.model.dtype == torch.bfloat16
-    int8_layers = [m for m in bf16_engine.model.modules() if isinstance(m, DecodeInt8Linear)]
-    assert len(int8_layers) == 4 * bf16_engine.config.n_layers + 1  # qkv, o, gate/up, down per layer; output
+    layers = [m for m in bf16_engine.model.modules() if isinstance(m, DecodeQuantLinear)]
+    assert len(layers) == 4 * bf16_engine.config.n_layers + 1  # qkv, o, gate/up, down per layer; output
+    # The default model is stored in Q4_1 (5 bits per weight): its block weights decode in int4, the output in int8.
+    assert sorted(m.bits for m in layers) == [4] * (4 * bf16_engine.config.n_layers) + [8]
 
-    # bf16 weights (prefill) and int8 weights (decode) round differently from fp32, and greedy decoding amplifies a
+    # bf16 weights (prefill) and int4/int8 weights (decode) round differently from fp32, and greedy decoding amplifies a
     # flipped argmax, so only the first 8 tokens are compared, and one of two prompts has to match.
     matches = []
     for text in (PROMPT, "One, two, three, four,"):
@@ -240,4 +242,4 @@ def test_bf16_int8_decode_agrees_with_fp32_on_a_short_prefix(engine, bf16_engine
         reference, _, _ = run(engine.model, prompt, greedy(), 8)
         assert len(ours) == 8 and stats.stop_reason == "max_new_tokens"
         matches.append(ours == reference)
-    assert any(matches), "bf16 + int8 greedy output differs from fp32 within 8 tokens on both prompts"
+    assert any(matches), "bf16 + int4/int8 greedy output differs from fp32 within 8 tokens on both prompts"
