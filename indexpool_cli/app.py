@@ -285,9 +285,12 @@ def bench(
     json_out: JsonOpt = False,
 ):
     """Benchmark our engine against transformers (and llama.cpp if installed) on the same weights."""
-    from .bench import run_bench
+    from .bench import ENGINES, run_bench
 
-    run_bench(model, [int(c) for c in contexts.split(",")], prefill_length, decode_tokens, repeats, engines.split(","), json_out)
+    chosen = engines.split(",")
+    if unknown := [e for e in chosen if e not in ENGINES]:
+        raise typer.BadParameter(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
+    run_bench(model, [int(c) for c in contexts.split(",")], prefill_length, decode_tokens, repeats, chosen, json_out)
 
 
 def main() -> None:

@@ -222,6 +222,25 @@ def test_bad_option_is_a_usage_error():
     assert proc.stdout == b""
 
 
+def test_bad_choices_are_usage_errors():
+    for args in (["complete", "--dtype", "fp12", "x"], ["complete", "--decode-weights", "int3", "x"], ["bench", "--engines", "foo"]):
+        proc = indexpool(*args)
+        stderr = proc.stderr.decode("utf-8", "replace")
+        assert proc.returncode == 2, (args, stderr)
+        assert "Traceback" not in stderr and proc.stdout == b""
+
+
+def test_bench_runs_our_engine_and_reports_json():
+    """A tiny run of the benchmark (our engine only): the report has a figure for every asked context."""
+    proc = indexpool("bench", "--engines", "indexpool", "--contexts", "16,48", "--prefill-length", "64",
+                     "--decode-tokens", "2", "--repeats", "1", "--json")
+    report = json.loads(ok(proc))
+    (result,) = report["results"]
+    assert result["engine"] == "indexpool" and "error" not in result
+    assert set(result["decode_tps"]) == {"16", "48"} and all(v > 0 for v in result["decode_tps"].values())
+    assert result["prefill_tps"] > 0 and result["peak_rss_mib"] > 100
+
+
 def test_missing_default_model(tmp_path):
     # A sitecustomize.py on PYTHONPATH runs at interpreter start-up and hides the model wheel from find_spec.
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""\
