@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Annotated, Optional
 
+import contextlib
 import functools
 
 import typer
@@ -69,19 +70,11 @@ def _load(model: str | None, dtype: str, threads: int | None, quiet: bool, decod
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     t0 = time.perf_counter()
-    with err_console.status("loading model", spinner="dots") if err_console.is_terminal and not quiet else _null():
+    with err_console.status("loading model", spinner="dots") if err_console.is_terminal and not quiet else contextlib.nullcontext():
         loaded = load_engine(model, dtype, decode_weights=decode_weights)
     if err_console.is_terminal and not quiet:
         err_console.print(f"[dim]{loaded.name} ({loaded.model.dtype}) loaded in {time.perf_counter() - t0:.1f}s[/dim]")
     return loaded
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _sampler(temperature: float, top_k: int, top_p: float, seed: int | None):

@@ -46,9 +46,9 @@ class Sampler:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if p.top_p < 1:
             sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            probs = sorted_logits.softmax(dim=-1)
             # Drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays).
-            drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= p.top_p
+            drop_sorted = (probs.cumsum(dim=-1) - probs) >= p.top_p
             logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
         return torch.multinomial(logits.softmax(dim=-1), 1, generator=self.generator).squeeze(-1)
 
