@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 
 import contextlib
 import functools
+import itertools
 
 import typer
 
@@ -95,7 +96,7 @@ def _stream(session, tokenizer, prompt_ids, sampler, max_new_tokens, json_out: b
     with prefill_progress(len(prompt_ids), enabled=err_console.is_terminal and not quiet) as on_progress:
         tokens = session.generate(prompt_ids, sampler, max_new_tokens, tokenizer.stop_ids, stats, on_progress)
         first = next(tokens, None)
-    for token in [] if first is None else _chain(first, tokens):
+    for token in () if first is None else itertools.chain([first], tokens):
         piece = decoder.push(token)
         pieces.append(piece)
         if piece and not json_out:
@@ -107,11 +108,6 @@ def _stream(session, tokenizer, prompt_ids, sampler, max_new_tokens, json_out: b
         sys.stdout.write(tail)
         sys.stdout.flush()
     return "".join(pieces), stats
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest
 
 
 def _stats_json(stats) -> dict:

@@ -23,11 +23,7 @@ from .errors import ModelLoadError
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
-_SCALARS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}
+# Numeric metadata types as little-endian numpy dtypes (for single values and whole arrays alike).
 _NUMPY = {
     GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2", GGUFValueType.INT16: "<i2",
     GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4", GGUFValueType.FLOAT32: "<f4", GGUFValueType.BOOL: "?",
@@ -101,7 +97,8 @@ class _Cursor:
                 dtype = np.dtype(_NUMPY[item_type])
                 return np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype).tolist()
             return [self.value(item_type) for _ in range(count)]
-        return self.scalar(_SCALARS[vtype])
+        dtype = np.dtype(_NUMPY[vtype])
+        return np.frombuffer(self.take(dtype.itemsize), dtype=dtype)[0].item()
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
