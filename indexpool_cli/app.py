@@ -20,6 +20,7 @@ import typer
 
 from model.errors import ModelLoadError
 
+from .attention import AttentionChoice, attention_options, open_session
 from .console import InputError, err_console, fail, prefill_progress, read_text_input, show_stats
 
 app = typer.Typer(
@@ -124,14 +125,8 @@ def _stats_json(stats) -> dict:
     }
 
 
-def _context_for(loaded, prompt_len: int, max_new_tokens: int) -> int:
-    limit = loaded.config.context_length
-    if prompt_len >= limit:
-        raise InputError(f"the input has {prompt_len} tokens but the model's context is {limit} tokens; shorten the input")
-    return min(limit, prompt_len + max_new_tokens)
-
-
 @command
+@attention_options
 def complete(
     prompt: Annotated[Optional[str], typer.Argument(help="Text to continue; '-' or a pipe reads stdin.")] = None,
     model: ModelOpt = None,
@@ -145,10 +140,10 @@ def complete(
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    attention: AttentionChoice = None,
 ):
-    """Continue raw text (no chat template), streaming only the new text to stdout."""
-    from model.generate import Session
-
+    """Continue raw text (no chat template), streaming only the new text to stdout. Inputs longer than the model's
+    context are read with IndexPool sparse attention."""
     text = read_text_input(prompt)
     sampler = _sampler(temperature, top_k, top_p, seed)
     loaded = _load(model, dtype, threads, quiet, decode_weights)
@@ -156,7 +151,7 @@ def complete(
     ids = ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(text)
     if not ids:
         raise InputError("the prompt is empty")
-    session = Session(loaded.model, _context_for(loaded, len(ids), max_new_tokens))
+    session = open_session(loaded, attention, len(ids) + max_new_tokens)
     out, stats = _stream(session, tok, ids, sampler, max_new_tokens, json_out, quiet)
     if json_out:
         print(json.dumps({"text": out, "model": loaded.name, **_stats_json(stats)}, ensure_ascii=False))
@@ -165,6 +160,7 @@ def complete(
 
 
 @command
+@attention_options
 def chat(
     model: ModelOpt = None,
     system: Annotated[Optional[str], typer.Option("--system", help="A system message.")] = None,
@@ -178,14 +174,15 @@ def chat(
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    attention: AttentionChoice = None,
 ):
-    """A minimal interactive chat: one message per line on stdin; /reset starts over, /exit or Ctrl-D ends."""
-    from model.generate import Session
-
+    """A minimal interactive chat: one message per line on stdin; /reset starts over, /exit or Ctrl-D ends.
+    With IndexPool (the default) a conversation can grow to 128K tokens; with dense attention the oldest exchanges
+    are dropped when it outgrows the model's context."""
     sampler = _sampler(temperature, top_k, top_p, seed)
     loaded = _load(model, dtype, threads, quiet, decode_weights)
     tok = loaded.tokenizer
-    session = Session(loaded.model, loaded.config.context_length)
+    session = open_session(loaded, attention, None)
     base = [{"role": "system", "content": system}] if system else []
     messages = list(base)
     interactive = sys.stdin.isatty()

@@ -8,6 +8,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from .indexers import Indexer, TrainingFreeIndexer
+from .indexpool_cache import IndexPoolCache, IndexPoolConfig
 from .llama import KVCache, Transformer
 
 
@@ -71,15 +73,27 @@ class GenerationStats:
 
 
 class Session:
-    """A model with its KV cache and the tokens the cache holds, so later prompts that extend earlier ones
-    (a chat's next turn, another question on the same document) only prefill what is new."""
+    """A model with its cache and the tokens the cache holds, so later prompts that extend earlier ones
+    (a chat's next turn, another question on the same document) only prefill what is new.
 
-    def __init__(self, model: Transformer, max_length: int, segment: int = 512):
+    attention=None gives dense attention over a plain KV cache (up to the model's context); an IndexPoolConfig
+    gives IndexPool sparse attention (`model/indexpool_cache.py`) with the given indexer (default: training-free).
+    """
+
+    def __init__(self, model: Transformer, max_length: int, segment: int = 512,
+                 attention: IndexPoolConfig | None = None, indexer: Indexer | None = None):
         self.model = model
-        self.cache: KVCache = model.new_cache(max_length)
-        self.tokens: list[int] = []
-        self.segment = segment
         self.device = model.tok_embeddings.weight.device
+        self.tokens: list[int] = []
+        self.cache: KVCache | IndexPoolCache
+        if attention is None:
+            self.cache = model.new_cache(max_length)
+            self.segment, self.query_tokens = segment, 0
+        else:
+            indexer = indexer or TrainingFreeIndexer(model.config, attention.kpool, self.device)
+            self.cache = IndexPoolCache(model.config, attention, indexer, max_length, model.dtype, self.device)
+            # The prompt's last tokens (where a question is) get their own forward, so they select per query.
+            self.segment, self.query_tokens = attention.segment, attention.query_tokens
 
     @property
     def max_length(self) -> int:
@@ -99,12 +113,16 @@ class Session:
             if a != b:
                 break
             keep += 1
+        keep = self.cache.truncate(keep)
         new = torch.tensor([prompt[keep:]], device=self.device)
         total, logits = new.shape[1], None
-        for s in range(0, total, self.segment):
-            logits = self.model(new[:, s : s + self.segment], keep + s, self.cache)
-            if on_progress:
-                on_progress(min(s + self.segment, total), total)
+        body = max(0, total - self.query_tokens)
+        bounds = list(range(0, body, self.segment)) + [body, total]
+        for s, e in zip(bounds, bounds[1:]):
+            if e > s:
+                logits = self.model(new[:, s:e], keep + s, self.cache)
+                if on_progress:
+                    on_progress(e, total)
         self.tokens = list(prompt)
         return logits[:, -1]
 

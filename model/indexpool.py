@@ -91,8 +91,9 @@ class PooledIndexCache:
         self.dtype = dtype
         device = self.ape.device
         pools_shape = (self.n_layers, batch_size, max_tokens // self.kpool)
-        self._pooled = torch.zeros(*pools_shape, self.head_dim, dtype=dtype, device=device)
-        self._scales = torch.ones(pools_shape, device=device) if dtype == FP8_DTYPE else None
+        # Uninitialised: only written pools are ever read, and untouched pages of a large context cost no memory.
+        self._pooled = torch.empty(*pools_shape, self.head_dim, dtype=dtype, device=device)
+        self._scales = torch.empty(pools_shape, device=device) if dtype == FP8_DTYPE else None
         tail_shape = (self.n_layers, batch_size, self.kpool - 1, self.head_dim)
         self._tail_keys = torch.zeros(tail_shape, device=device)
         self._tail_gates = torch.zeros(tail_shape, device=device)
@@ -129,6 +130,14 @@ class PooledIndexCache:
         self._tail_keys[layer, :, :n_rest] = keys[:, n_complete:]
         self._tail_gates[layer, :, :n_rest] = gates[:, n_complete:]
         self._n_tokens[layer] += expected[1]
+
+    def truncate(self, n_tokens: int) -> None:
+        """Forget every token from `n_tokens` on, in all layers. Only at a pool boundary: the raw keys of an
+        earlier, already compressed pool are gone, so its tail cannot be rebuilt."""
+        if n_tokens % self.kpool or n_tokens > min(self._n_tokens):
+            raise ValueError(f"can truncate to a multiple of kpool={self.kpool} within the cached tokens, "
+                             f"not to {n_tokens}")
+        self._n_tokens = [n_tokens] * self.n_layers
 
     def pooled(self, layer: int) -> torch.Tensor:
         """Pooled keys so far, (batch, n_pools, d): a view for bf16/fp16, dequantized to bf16 for fp8."""

@@ -46,15 +46,30 @@ class LlamaConfig:
         return 2 * self.n_layers * self.kv_dim * torch.finfo(dtype).bits // 8
 
 
-def rope_tables(config: LlamaConfig, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (length, head_dim), computed in fp32 and cast once."""
+def inverse_frequencies(config: LlamaConfig, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """RoPE's per-pair inverse frequencies (head_dim // 2,), computed in `dtype`."""
     half = config.head_dim // 2
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.float32) * 2 / config.head_dim))
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=dtype) * 2 / config.head_dim))
     if config.rope_freq_factors is not None:
-        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=dtype)
+    return inv_freq
+
+
+def rope_tables(config: LlamaConfig, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (length, head_dim) for positions 0..length-1, computed in fp32 as transformers does
+    (so dense logits match it) and cast once."""
+    inv_freq = inverse_frequencies(config, torch.float32)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rope_at(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin (*S, 1, head_dim) at positions of any shape S, from angles computed in fp64: in fp32, an
+    angle near position 1M would be off by up to 0.06 rad."""
+    angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
+    angles = torch.cat([angles, angles], dim=-1)[..., None, :]
+    return angles.cos().float(), angles.sin().float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -69,30 +84,38 @@ class KVCache(nn.Module):
     right. The cache owns how a layer attends to its history, so other caches (sparse, offloaded) can take its
     place: `begin` is called once per forward, then `attend` once per layer with unrotated q/k."""
 
-    def __init__(self, config: LlamaConfig, max_length: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(self, config: LlamaConfig, max_length: int, cos: torch.Tensor, sin: torch.Tensor, batch: int = 1,
+                 dtype: torch.dtype = torch.bfloat16, device=None):
+        """cos/sin: the model's RoPE tables covering at least max_length positions."""
         super().__init__()
+        self.rope_cos, self.rope_sin = cos, sin
         shape = (config.n_layers, batch, config.n_kv_heads, max_length, config.head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.max_length = max_length
         self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
 
-    def begin(self, start: int, length: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Positions [start, start+length) come next; cos/sin are the model's full RoPE tables."""
+    def truncate(self, length: int) -> int:
+        """Keep the first `length` tokens; returns how many are kept (all of them: later writes overwrite)."""
+        return length
+
+    def begin(self, start: int, length: int) -> None:
+        """Positions [start, start+length) come next."""
         if start + length > self.max_length:
             raise ValueError(f"cache holds {self.max_length} tokens; asked for positions up to {start + length}")
         self.start, self.end = start, start + length
-        self.cos, self.sin = cos[start : self.end, None], sin[start : self.end, None]
+        self.cos, self.sin = self.rope_cos[start : self.end, None], self.rope_sin[start : self.end, None]
         # A single query sees the whole filled cache and needs no mask; the first segment is plainly causal;
         # a later segment gets an explicit (length, start+length) mask.
         self.mask = None
         if length > 1 and start > 0:  # additive, built once per forward rather than converted in every layer
-            rows = torch.arange(start, self.end, device=cos.device)[:, None]
-            hidden = torch.arange(self.end, device=cos.device)[None, :] > rows
-            self.mask = torch.zeros(hidden.shape, dtype=self.k.dtype, device=cos.device).masked_fill_(hidden, float("-inf"))
+            rows = torch.arange(start, self.end, device=self.k.device)[:, None]
+            hidden = torch.arange(self.end, device=self.k.device)[None, :] > rows
+            self.mask = torch.zeros(hidden.shape, dtype=self.k.dtype, device=self.k.device).masked_fill_(hidden, float("-inf"))
 
-    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """qk: (B, T, H + KV, D) query heads then key heads, unrotated; v: (B, T, KV, D). Returns (B, T, H * D)."""
+    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """qk: (B, T, H + KV, D) query heads then key heads, unrotated; v: (B, T, KV, D); x: the layer's
+        attention input (B, T, dim), which an indexer may read. Returns (B, T, H * D)."""
         B, T = qk.shape[:2]
         H = self.n_heads
         qk = apply_rope(qk, self.cos, self.sin)  # q and k heads rotated in one go
@@ -126,7 +149,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             qk = torch.cat([F.rms_norm(qk[:, :, :H], (self.head_dim,), self.q_norm, self.norm_eps),
                             F.rms_norm(qk[:, :, H:], (self.head_dim,), self.k_norm, self.norm_eps)], dim=2)
-        return self.wo(cache.attend(self.layer, qk, v))
+        return self.wo(cache.attend(self.layer, qk, v, x))
 
 
 class FeedForward(nn.Module):
@@ -174,7 +197,8 @@ class Transformer(nn.Module):
 
     def new_cache(self, max_length: int, batch: int = 1) -> KVCache:
         self._ensure_rope(max_length)
-        return KVCache(self.config, max_length, batch, self.dtype, self.tok_embeddings.weight.device)
+        return KVCache(self.config, max_length, self.rope_cos, self.rope_sin, batch, self.dtype,
+                       self.tok_embeddings.weight.device)
 
     def _ensure_rope(self, length: int) -> None:
         if length > self._rope_length:
@@ -185,7 +209,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """tokens (B, T) at positions [start, start+T); returns fp32 logits (B, T, V), or (B, 1, V) for the last."""
-        cache.begin(start, tokens.shape[1], self.rope_cos, self.rope_sin)
+        cache.begin(start, tokens.shape[1])
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, cache)

@@ -207,10 +207,32 @@ def test_empty_prompt():
     assert "empty" in line
 
 
-def test_prompt_longer_than_the_context():
-    words = " ".join(["word"] * 9000)
-    line = assert_error(indexpool("complete", *GREEDY, "-", stdin=words.encode()), 3)
-    assert "8192" in line
+def long_text(n_words: int) -> bytes:
+    """Varied prose (a repeated single word would make the attention degenerate)."""
+    import pydoc_data.topics
+
+    words = " ".join(pydoc_data.topics.topics.values()).split()
+    return " ".join(words[:n_words]).encode()
+
+
+def test_dense_attention_refuses_an_input_longer_than_the_context():
+    line = assert_error(indexpool("complete", *GREEDY, "--attention", "dense", "-", stdin=long_text(9000)), 3)
+    assert "8192" in line and "--attention indexpool" in line
+
+
+def test_an_input_longer_than_the_context_is_read_with_indexpool():
+    proc = indexpool("complete", *GREEDY, "--json", "-n", "3", "-", stdin=long_text(9000))
+    result = json.loads(ok(proc))
+    assert result["prompt_tokens"] > 8192 and result["new_tokens"] >= 1
+
+
+def test_bad_indexpool_settings_are_usage_errors():
+    for args in (["--attention", "sparse"], ["--topk", "4096", "--window", "4096"], ["--kpool", "3"],
+                 ["--index-dtype", "fp4"], ["--offload-dir", "/nonexistent/dir"]):
+        proc = indexpool("complete", *GREEDY, *args, "hello")
+        stderr = proc.stderr.decode("utf-8", "replace")
+        assert proc.returncode == 2, (args, stderr)
+        assert "Traceback" not in stderr and proc.stdout == b""
 
 
 def test_bad_option_is_a_usage_error():

@@ -1,0 +1,128 @@
+"""IndexPool at scale: memory, prefill and decode speed against context length, dense attention alongside.
+
+Each (length, mode) runs in its own process, so peak RSS is that run's own: natural text (Python's
+`pydoc_data.topics`, repeated past its ~115K tokens) of `length` tokens is read in prefill segments, then
+`--decode` tokens are generated one at a time. Prints bytes per token of each cache part, peak RSS, prefill and
+decode tokens/s, and the ratios the IndexPool issue asks for.
+
+    .venv/bin/python benchmarks/indexpool_scale.py --lengths 4096,32768,131072 --dense 4096,32768
+    .venv/bin/python benchmarks/indexpool_scale.py --lengths 1048576 --dense none      # about an hour here
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def text_ids(tokenizer, length: int) -> list[int]:
+    import pydoc_data.topics
+
+    ids = tokenizer.encode("\n\n".join(pydoc_data.topics.topics.values()))
+    return (ids * (length // len(ids) + 1))[:length]
+
+
+def worker(length: int, mode: str, decode: int, threads: int | None, options: dict) -> dict:
+    import torch
+
+    from model.generate import Session
+    from model.indexpool import per_token_index_bytes
+    from model.indexpool_cache import IndexPoolConfig
+    from model.runtime import load_engine, set_threads
+
+    set_threads(threads)
+    loaded = load_engine(None)
+    ids = text_ids(loaded.tokenizer, length)
+    settings = IndexPoolConfig(**options) if mode == "indexpool" else None
+    session = Session(loaded.model, length + decode, attention=settings)
+    rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0 = time.perf_counter()
+    logits = session.prefill(ids)
+    prefill_s = time.perf_counter() - t0
+    token = logits.argmax(-1)
+    times = []
+    with torch.inference_mode():
+        for _ in range(decode):
+            t = time.perf_counter()
+            logits = session.model(token.view(1, 1), len(session.tokens), session.cache)[:, -1]
+            session.tokens.append(int(token))
+            token = logits.argmax(-1)
+            times.append(time.perf_counter() - t)
+    times.sort()
+    result = {"length": length, "mode": mode, "prefill_tok_s": length / prefill_s,
+              "decode_tok_s": 1 / times[len(times) // 2], "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "rss_after_load": rss_loaded}
+    config = loaded.config
+    if mode == "indexpool":
+        cache = session.cache
+        result.update(cache.bytes_per_token())
+        result["per_token_index"] = per_token_index_bytes(cache.indexer.key_dim, torch.bfloat16) * config.n_layers
+        result["fixed_bytes"] = cache.fixed_bytes()
+        result["kv_storage"] = cache.kv_storage
+    else:
+        result["history_kv"] = config.kv_bytes_per_token(loaded.model.dtype)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="4096,32768,131072", help="IndexPool context lengths")
+    parser.add_argument("--dense", default="4096,32768", help="dense context lengths, or 'none'")
+    parser.add_argument("--decode", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--kv-storage", default="auto")
+    parser.add_argument("--index-dtype", default="bf16")
+    parser.add_argument("--offload-dir", default=None)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    options = {"kv_storage": args.kv_storage, "index_dtype": args.index_dtype, "offload_dir": args.offload_dir}
+    if args.worker:
+        length, mode = args.worker.split(":")
+        print(json.dumps(worker(int(length), mode, args.decode, args.threads, options)))
+        return
+    runs = [(int(n), "indexpool") for n in args.lengths.split(",")]
+    if args.dense != "none":
+        runs += [(int(n), "dense") for n in args.dense.split(",")]
+    results = []
+    print(f"{'length':>8} {'mode':>9} {'prefill tok/s':>13} {'decode tok/s':>12} {'peak RSS MiB':>12} "
+          f"{'KV B/tok':>9} {'index B/tok':>11} {'per-token index':>15}", flush=True)
+    for length, mode in runs:
+        command = [sys.executable, __file__, "--worker", f"{length}:{mode}", "--decode", str(args.decode),
+                   "--kv-storage", args.kv_storage, "--index-dtype", args.index_dtype]
+        command += ["--threads", str(args.threads)] if args.threads else []
+        command += ["--offload-dir", args.offload_dir] if args.offload_dir else []
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            print(f"{length:>8} {mode:>9} failed: {done.stderr.strip().splitlines()[-1:]}", flush=True)
+            continue
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        results.append(r)
+        index = f"{r['pooled_index']:.0f}" if "pooled_index" in r else "-"
+        per_token = f"{r['per_token_index']:.0f}" if "per_token_index" in r else "-"
+        print(f"{length:>8} {mode:>9} {r['prefill_tok_s']:>13.0f} {r['decode_tok_s']:>12.1f} "
+              f"{r['peak_rss'] / 2**20:>12.0f} {r['history_kv']:>9.0f} {index:>11} {per_token:>15}"
+              + (f"  ({r['kv_storage']} K/V, fixed buffers {r['fixed_bytes'] / 2**20:.0f} MiB)" if mode == "indexpool" else ""),
+              flush=True)
+    by = {(r["length"], r["mode"]): r for r in results}
+    lengths = sorted({r["length"] for r in results if r["mode"] == "indexpool"})
+    if lengths:
+        r = by[(lengths[0], "indexpool")]
+        print(f"pooled index / per-token index bytes: {r['pooled_index'] / r['per_token_index']:.3f}")
+        for n in lengths[1:]:
+            print(f"decode at {n} / decode at {lengths[0]} (indexpool): "
+                  f"{by[(n, 'indexpool')]['decode_tok_s'] / r['decode_tok_s']:.2f}")
+    for (n, mode), r in sorted(by.items()):
+        if mode == "dense" and (n, "indexpool") in by:
+            print(f"prefill at {n}, indexpool / dense: {by[(n, 'indexpool')]['prefill_tok_s'] / r['prefill_tok_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

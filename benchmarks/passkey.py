@@ -1,0 +1,119 @@
+"""Passkey retrieval over long natural text: IndexPool against dense attention, in one run.
+
+A five-digit pass key is planted at 10 depths in a haystack and the model is asked for it through its chat
+template. Two haystacks: `filler`, the classic passkey test's repeated "The grass is green. The sky is blue..."
+lines (easy: the needle is the only new text), and `natural`, natural English (Python's `pydoc_data.topics`, then
+the system's license texts; repeated when a longer haystack is asked for), where the needle competes with real text
+(including Python's `pass` statement); a trial succeeds when the greedy answer contains the key. Trials are ordered by depth so that
+consecutive trials share the haystack up to the earlier needle (the session re-reads only from there).
+
+    .venv/bin/python benchmarks/passkey.py --haystack filler --lengths 4096,32768 --modes indexpool,dense
+    .venv/bin/python benchmarks/passkey.py --haystack natural --lengths 131072 --modes indexpool
+
+Prints one row per (length, mode): accuracy, trials, median prefill tokens/s (of the part re-read), per-depth hits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import random
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from model.generate import GenerationStats, SamplingParams, Sampler, Session  # noqa: E402
+from model.indexpool_cache import IndexPoolConfig  # noqa: E402
+from model.runtime import load_engine, set_threads  # noqa: E402
+
+DEPTHS = [0.05 + 0.1 * i for i in range(10)]
+QUESTION = "\n\nWhat is the pass key? Answer with the number only."
+ANSWER_START = "The pass key is"
+
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+
+
+def haystack_text(kind: str) -> str:
+    if kind == "filler":
+        return FILLER * 2000
+    import pydoc_data.topics
+
+    parts = list(pydoc_data.topics.topics.values())
+    parts += [Path(p).read_text(errors="replace") for p in sorted(glob.glob("/usr/share/common-licenses/*")) if Path(p).is_file()]
+    return "\n\n".join(parts)
+
+
+def build_prompt(tokenizer, hay_ids: list[int], length: int, depth: float, key: int) -> tuple[list[int], int]:
+    """Token ids of the chat prompt (about `length` tokens) and the index where the needle starts."""
+    pre, post = tokenizer.render_chat([{"role": "user", "content": "\x00"}]).split("\x00")
+    head = tokenizer.encode(pre, allow_special=True)
+    needle = tokenizer.encode(f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n")
+    tail = tokenizer.encode(QUESTION + post + ANSWER_START, allow_special=True)
+    n_hay = length - len(head) - len(needle) - len(tail)
+    hay = (hay_ids * (n_hay // len(hay_ids) + 1))[:n_hay]
+    cut = int(n_hay * depth)
+    return head + hay[:cut] + needle + hay[cut:] + tail, len(head) + cut
+
+
+def run(args) -> None:
+    set_threads(args.threads)
+    loaded = load_engine(args.model, dtype=args.dtype)
+    tokenizer = loaded.tokenizer
+    hay_ids = tokenizer.encode(haystack_text(args.haystack))
+    rng = random.Random(args.seed)
+    print(f"model {loaded.name}, {args.haystack} haystack of {len(hay_ids)} tokens, threads {torch.get_num_threads()}", flush=True)
+    print(f"{'length':>8} {'mode':>9} {'accuracy':>9} {'trials':>6} {'prefill tok/s':>13}  hits per depth (5%..95%)")
+    for length in args.lengths:
+        trials = [(DEPTHS[i % 10], rng.randrange(10000, 100000)) for i in range(args.trials)]
+        trials.sort()
+        for mode in args.modes:
+            attention = None if mode == "dense" else IndexPoolConfig(topk=args.topk, window=args.window,
+                                                                     sinks=args.sinks, segment=args.segment)
+            session = Session(loaded.model, length + 16, attention=attention)
+            hits, speeds = {d: 0 for d in DEPTHS}, []
+            for depth, key in trials:
+                prompt, _ = build_prompt(tokenizer, hay_ids, length, depth, key)
+                pairs = zip(session.tokens, prompt)
+                common = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(session.tokens), len(prompt)))
+                stats = GenerationStats()
+                out = list(session.generate(prompt, Sampler(SamplingParams(temperature=0)), 8, stats=stats))
+                elapsed = stats.prefill_seconds
+                answer = tokenizer.decode(out)
+                found = re.findall(r"\d+", answer.replace(" ", ""))
+                hits[depth] += str(key) in found
+                speeds.append((len(prompt) - common) / elapsed)
+                if args.verbose:
+                    print(f"  {length} {mode} depth {depth:.2f} key {key} -> {answer!r} ({elapsed:.1f} s)", flush=True)
+            n_ok = sum(hits.values())
+            per_depth = " ".join(str(hits[d]) for d in DEPTHS)
+            print(f"{length:>8} {mode:>9} {100 * n_ok / len(trials):>8.0f}% {len(trials):>6} "
+                  f"{statistics.median(speeds):>13.0f}  {per_depth}", flush=True)
+            del session
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 32768])
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=["indexpool", "dense"])
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--haystack", choices=["filler", "natural"], default="natural")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--topk", type=int, default=IndexPoolConfig.topk)
+    parser.add_argument("--window", type=int, default=IndexPoolConfig.window)
+    parser.add_argument("--sinks", type=int, default=IndexPoolConfig.sinks)
+    parser.add_argument("--segment", type=int, default=IndexPoolConfig.segment)
+    parser.add_argument("--verbose", action="store_true")
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Perplexity on long natural text: IndexPool against dense attention, in the same engine and run.
+
+The text is Python's `pydoc_data.topics` (English prose about Python, ~115K tokens), read from a fixed offset. For
+each length, both modes read the same tokens in prefill segments and the negative log-likelihood is averaged over
+the tokens where IndexPool's attention differs from dense (positions past sinks + topk + window), plus, with
+--decode N, over N tokens fed one at a time (the decode path, which selects per query).
+
+    .venv/bin/python benchmarks/perplexity.py --lengths 4096,8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from model.generate import Session  # noqa: E402
+from model.indexpool_cache import IndexPoolConfig  # noqa: E402
+from model.runtime import load_engine, set_threads  # noqa: E402
+
+
+def natural_text_ids(tokenizer, offset: int, length: int) -> list[int]:
+    import pydoc_data.topics
+
+    ids = tokenizer.encode("\n\n".join(pydoc_data.topics.topics.values()))
+    if offset + length > len(ids):
+        raise SystemExit(f"the text has {len(ids)} tokens; {offset} + {length} asked")
+    return ids[offset : offset + length]
+
+
+@torch.inference_mode()
+def nll(session: Session, ids: list[int], first_scored: int, decode: int) -> tuple[float, float, int]:
+    """Mean NLL of tokens first_scored..len-1 read in prefill segments (the last `decode` of them one by one),
+    and the seconds taken."""
+    tokens = torch.tensor([ids])
+    body = len(ids) - decode
+    bounds = list(range(0, body, session.segment)) + [body] + list(range(body + 1, len(ids) + 1))
+    total, count, t0 = 0.0, 0, time.perf_counter()
+    for s, e in zip(bounds, bounds[1:]):
+        if e <= s:
+            continue
+        logits = session.model(tokens[:, s:e], s, session.cache, all_logits=True)[0]
+        targets = tokens[0, s + 1 : e + 1]
+        keep = torch.arange(s, s + len(targets)) >= first_scored - 1
+        if keep.any():
+            losses = F.cross_entropy(logits[: len(targets)].float(), targets, reduction="none")
+            total += losses[keep].sum().item()
+            count += int(keep.sum())
+    return total / count, time.perf_counter() - t0, count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 8192])
+    parser.add_argument("--offset", type=int, default=20000)
+    parser.add_argument("--decode", type=int, default=64, help="score this many final tokens fed one at a time")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--topk", type=int, default=IndexPoolConfig.topk)
+    parser.add_argument("--window", type=int, default=IndexPoolConfig.window)
+    parser.add_argument("--segment", type=int, default=IndexPoolConfig.segment)
+    args = parser.parse_args()
+    set_threads(args.threads)
+    loaded = load_engine(args.model)
+    settings = IndexPoolConfig(topk=args.topk, window=args.window, segment=args.segment)
+    first_scored = settings.sinks + settings.topk + settings.window + settings.kpool
+    print(f"model {loaded.name}; scored: tokens from {first_scored} on; threads {torch.get_num_threads()}")
+    print(f"{'length':>7} {'scored':>6} {'dense ppl':>9} {'indexpool ppl':>13} {'change':>7}")
+    for length in args.lengths:
+        ids = natural_text_ids(loaded.tokenizer, args.offset, length)
+        dense, _, n = nll(Session(loaded.model, length), ids, first_scored, args.decode)
+        sparse, _, _ = nll(Session(loaded.model, length, attention=settings), ids, first_scored, args.decode)
+        print(f"{length:>7} {n:>6} {math.exp(dense):>9.3f} {math.exp(sparse):>13.3f} "
+              f"{100 * (math.exp(sparse - dense) - 1):>+6.1f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The attention options every generating command shares (dense or IndexPool, and IndexPool's knobs), and the
+session they open."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from model.indexpool_cache import INDEX_DTYPES, KV_STORAGE, IndexPoolConfig
+
+from .console import InputError
+
+ATTENTION_MODES = ("auto", "dense", "indexpool")
+INDEXER_KINDS = ("auto", "training-free", "trained")
+CHAT_CONTEXT = 131072  # IndexPool capacity of an open-ended chat; memory is only touched as it fills
+
+
+@dataclass
+class AttentionChoice:
+    attention: Annotated[str, typer.Option("--attention", help="auto (IndexPool when the input does not fit the model's context, else dense), dense or indexpool.")] = "auto"
+    kpool: Annotated[int, typer.Option("--kpool", min=1, help="IndexPool: tokens merged into one pooled index key.")] = IndexPoolConfig.kpool
+    topk: Annotated[int, typer.Option("--topk", min=1, help="IndexPool: far tokens each query attends to (a multiple of kpool).")] = IndexPoolConfig.topk
+    window: Annotated[int, typer.Option("--window", min=1, help="IndexPool: recent tokens always attended.")] = IndexPoolConfig.window
+    sinks: Annotated[int, typer.Option("--sinks", min=0, help="IndexPool: first tokens always attended.")] = IndexPoolConfig.sinks
+    indexer: Annotated[str, typer.Option("--indexer", help="IndexPool indexer: auto (the trained one shipped for the model, else training-free), training-free, trained, or an indexer file.")] = "auto"
+    index_dtype: Annotated[str, typer.Option("--index-dtype", help="IndexPool pooled-index storage: bf16, fp16 or fp8.")] = IndexPoolConfig.index_dtype
+    kv_storage: Annotated[str, typer.Option("--kv-storage", help="IndexPool history K/V: auto (bf16 while it takes under a quarter of RAM, else int8), bf16 or int8.")] = IndexPoolConfig.kv_storage
+    offload_dir: Annotated[Optional[Path], typer.Option("--offload-dir", help="IndexPool: keep history K/V in a memory-mapped file in this directory (deleted on exit).")] = None
+
+    def settings(self) -> IndexPoolConfig:
+        return IndexPoolConfig(kpool=self.kpool, topk=self.topk, window=self.window, sinks=self.sinks,
+                               index_dtype=self.index_dtype, kv_storage=self.kv_storage,
+                               offload_dir=str(self.offload_dir) if self.offload_dir else None)
+
+
+def attention_options(fn):
+    """Add AttentionChoice's fields as options to a command, handed to it as one `attention` argument."""
+    signature = inspect.signature(fn, eval_str=True)
+    hints = typing.get_type_hints(AttentionChoice, include_extras=True)
+    added = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+             for f in fields(AttentionChoice)]
+    kept = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in signature.parameters.values() if p.name != "attention"]
+
+    @functools.wraps(fn)
+    def run(**kwargs):
+        choice = AttentionChoice(**{f.name: kwargs.pop(f.name) for f in fields(AttentionChoice)})
+        return fn(attention=choice, **kwargs)
+
+    run.__signature__ = signature.replace(parameters=kept + added)
+    return run
+
+
+def _indexer(choice: AttentionChoice, loaded):
+    from model.indexers import TrainingFreeIndexer
+
+    kind = choice.indexer
+    if kind == "training-free":
+        return TrainingFreeIndexer(loaded.config, choice.kpool, loaded.model.tok_embeddings.weight.device)
+    try:
+        from model.lightning_indexer import LightningIndexer, default_indexer_path
+    except ImportError:  # no trained indexer in this build
+        LightningIndexer = default_indexer_path = None
+    if kind in ("auto", "trained"):
+        path = default_indexer_path(loaded.name) if default_indexer_path else None
+        if path is None:
+            if kind == "trained":
+                raise InputError(f"no trained indexer is shipped for {loaded.name}; make one with `indexpool distill` "
+                                 "and pass it with --indexer PATH")
+            return _indexer(AttentionChoice(**{**choice.__dict__, "indexer": "training-free"}), loaded)
+    else:
+        path = Path(kind)
+        if not path.is_file():
+            raise InputError(f"indexer file {path} not found (or use --indexer auto|training-free|trained)")
+    try:
+        return LightningIndexer.load(path, device=loaded.model.tok_embeddings.weight.device)
+    except ValueError as e:
+        raise InputError(f"indexer {path}: {e}") from None
+
+
+def open_session(loaded, choice: AttentionChoice, needed_tokens: int | None):
+    """A session for an input of `needed_tokens` (prompt + new tokens), or an open-ended one (None: chat)."""
+    from model.generate import Session
+
+    for name, value, allowed in (("--attention", choice.attention, ATTENTION_MODES),
+                                 ("--index-dtype", choice.index_dtype, tuple(INDEX_DTYPES)),
+                                 ("--kv-storage", choice.kv_storage, KV_STORAGE)):
+        if value not in allowed:
+            raise typer.BadParameter(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+    context = loaded.config.context_length
+    settings = choice.settings()
+    try:  # the knobs are checked even when this input ends up dense
+        settings.validate(context)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    mode = choice.attention
+    if mode == "auto":
+        mode = "dense" if needed_tokens is not None and needed_tokens <= context else "indexpool"
+    if mode == "dense":
+        if needed_tokens is not None and needed_tokens > context:
+            raise InputError(f"the input needs {needed_tokens} tokens (prompt + new tokens) but dense attention holds "
+                             f"the model's context of {context}; use --attention indexpool (or auto)")
+        return Session(loaded.model, min(context, needed_tokens or context))
+    indexer = _indexer(choice, loaded)
+    return Session(loaded.model, needed_tokens or CHAT_CONTEXT, attention=settings, indexer=indexer)

@@ -1,0 +1,363 @@
+"""The IndexPool cache: sparse attention over a long history for llama-family models, in bounded memory.
+
+A query at position p attends exactly to three parts of the history:
+  - sinks: the first `sinks` tokens (attention sinks), always;
+  - the recent window ("L1"): every token from ws to p, ws = (p - window) rounded down to a pool boundary;
+  - far tokens: the `topk` tokens of the best `topk // kpool` complete pools in [sinks, ws), chosen by an indexer
+    (`model/indexers.py`) scoring the pooled index ("L2", `PooledIndexCache`: one pooled key per kpool tokens).
+    While [sinks, ws) holds at most topk tokens, all of it is taken.
+
+Storage, per layer: the un-rotated K and V of every token in a `HistoryStore` (bf16 or int8 with one scale per
+token and KV head; in memory or in a memory-mapped file), where far tokens are gathered from; the sinks and the
+recent window in exact bf16 buffers (the window's keys already rotated); the pooled index keys.
+
+Positions. While everything is selected and the input is inside the model's trained context, every token sits at
+its true position: a short input gets exactly dense attention. Otherwise the selected far tokens keep their order
+but close up into one contiguous block just before the window, with the sinks just before them, so no query-key
+distance exceeds sinks + topk + window + segment, which must stay inside the trained context. (InfLLM puts all far
+tokens at one distance; here a number spread over several far tokens keeps its digit order, which a copy needs.)
+
+Selection. A forward of at most `query_tokens` tokens (a decode step, the last tokens of a prompt: the question)
+selects per block of `query_block` consecutive queries (their scores summed; a decode step is a block of one). A
+longer prefill segment shares one selection, scored with the segment's mean index query: a per-query scan of every
+pool for thousands of queries would cost more than the attention it saves.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .indexers import Indexer
+from .indexpool import FP8_DTYPE, PooledIndexCache, indexer_source_layers
+from .llama import LlamaConfig, apply_rope, inverse_frequencies, rope_at
+
+INDEX_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8_DTYPE}
+KV_STORAGE = ("auto", "bf16", "int8")
+
+
+@dataclass
+class IndexPoolConfig:
+    kpool: int = 4
+    topk: int = 2048  # far tokens per query (topk // kpool pools)
+    window: int = 1024  # recent tokens always attended ("L1")
+    sinks: int = 64  # first tokens always attended
+    segment: int = 2048  # prefill tokens per forward; they share one far selection
+    query_tokens: int = 64  # forwards of at most this many tokens select per block of query_block queries
+    query_block: int = 8  # in such forwards, this many consecutive queries share one selection (decode: 1)
+    index_dtype: str = "bf16"  # pooled index storage: bf16, fp16 or fp8 (e4m3, one scale per pooled key)
+    kv_storage: str = "auto"  # history K/V: bf16, int8, or auto (bf16 while it takes under a quarter of RAM)
+    offload_dir: str | None = None  # keep history K/V in a memory-mapped file in this directory
+    schedule: Sequence[str] | None = None  # per layer "full" or "shared" indexer; None: all full
+
+    def validate(self, context_length: int) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(self.kpool >= 1, "kpool must be >= 1")
+        need(self.topk >= self.kpool and self.topk % self.kpool == 0, f"topk must be a positive multiple of kpool={self.kpool}")
+        need(self.sinks >= 0 and self.sinks % self.kpool == 0, f"sinks must be a multiple of kpool={self.kpool}")
+        need(min(self.window, self.segment, self.query_tokens, self.query_block) >= 1,
+             "window, segment, query tokens and query block must be >= 1")
+        # Remapped sinks and far tokens sit just before the window: the longest distance a query sees is
+        # sinks + topk + window + segment (+ the pool rounding of the window start), all inside what the model
+        # was trained on.
+        span = self.sinks + self.topk + self.window + self.segment + self.kpool
+        need(span <= context_length,
+             f"sinks + topk + window + segment ({self.sinks} + {self.topk} + {self.window} + {self.segment}) must "
+             f"fit in the model's trained context of {context_length} tokens (with a pool to spare)")
+        need(self.index_dtype in INDEX_DTYPES, f"index dtype must be one of {', '.join(INDEX_DTYPES)}")
+        need(self.kv_storage in KV_STORAGE, f"kv storage must be one of {', '.join(KV_STORAGE)}")
+        if self.offload_dir is not None:
+            need(os.path.isdir(self.offload_dir), f"offload directory {self.offload_dir} does not exist")
+
+
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype, directory: str | None, device) -> torch.Tensor:
+    """An uninitialised tensor in memory, or mapped from a file in `directory` (deleted at once: the mapping keeps
+    it alive until the tensor is freed, and nothing is left behind if the process dies)."""
+    if directory is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    fd, path = tempfile.mkstemp(prefix="indexpool-kv-", suffix=".bin", dir=directory)
+    try:
+        os.ftruncate(fd, numel * dtype.itemsize)
+        return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+class HistoryStore:
+    """Un-rotated K and V of every token, (n_layers, max_tokens, kv_heads * head_dim), bf16 or int8.
+
+    int8 keeps one absmax scale per token and KV head (fp32), so each head's vector is quantized on its own range.
+    """
+
+    def __init__(self, n_layers: int, max_tokens: int, kv_heads: int, head_dim: int, storage: str,
+                 compute_dtype: torch.dtype, directory: str | None = None, device=None):
+        self.kv_heads, self.head_dim, self.compute_dtype = kv_heads, head_dim, compute_dtype
+        self.quantized = storage == "int8"
+        shape = (n_layers, max_tokens, kv_heads * head_dim)
+        dtype = torch.int8 if self.quantized else compute_dtype
+        self.k, self.v = (_allocate(shape, dtype, directory, device) for _ in range(2))
+        if self.quantized:
+            self.k_scale, self.v_scale = (torch.empty(n_layers, max_tokens, kv_heads, device=device) for _ in range(2))
+
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers."""
+        n_layers, _, width = self.k.shape
+        scales = 2 * n_layers * self.kv_heads * 4 if self.quantized else 0
+        return 2 * n_layers * width * self.k.element_size() + scales
+
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.float()
+        scale = x.abs().amax(dim=-1).clamp_min(1e-12) / 127
+        return (x / scale[..., None]).round_().to(torch.int8).flatten(-2), scale
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (T, kv_heads, head_dim) for positions [start, start + T)."""
+        end = start + k.shape[0]
+        if self.quantized:
+            self.k[layer, start:end], self.k_scale[layer, start:end] = self._quantize(k)
+            self.v[layer, start:end], self.v_scale[layer, start:end] = self._quantize(v)
+        else:
+            self.k[layer, start:end] = k.flatten(-2)
+            self.v[layer, start:end] = v.flatten(-2)
+
+    def _read(self, values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        values = values.unflatten(-1, (self.kv_heads, self.head_dim))
+        if scale is None:
+            return values
+        return (values.float() * scale[..., None]).to(self.compute_dtype)
+
+    def gather(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at positions (any shape S) as (*S, kv_heads, head_dim) in the compute dtype."""
+        flat = positions.reshape(-1)
+        k = self.k[layer].index_select(0, flat)
+        v = self.v[layer].index_select(0, flat)
+        if self.quantized:
+            k = self._read(k, self.k_scale[layer].index_select(0, flat))
+            v = self._read(v, self.v_scale[layer].index_select(0, flat))
+        else:
+            k, v = self._read(k, None), self._read(v, None)
+        return k.view(*positions.shape, *k.shape[1:]), v.view(*positions.shape, *v.shape[1:])
+
+    def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [start, end), (T, kv_heads, head_dim)."""
+        scales = (self.k_scale[layer, start:end], self.v_scale[layer, start:end]) if self.quantized else (None, None)
+        return self._read(self.k[layer, start:end], scales[0]), self._read(self.v[layer, start:end], scales[1])
+
+
+def choose_kv_storage(setting: str, max_tokens: int, config: LlamaConfig, dtype: torch.dtype) -> str:
+    """auto: the compute dtype while the history K/V takes under a quarter of the machine's memory, else int8."""
+    if setting != "auto":
+        return setting
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        memory = 16 << 30
+    return "int8" if max_tokens * config.kv_bytes_per_token(dtype) > memory // 4 else "bf16"
+
+
+class IndexPoolCache:
+    """Drop-in replacement for the dense `KVCache` (same begin/attend/truncate), batch size 1."""
+
+    def __init__(self, config: LlamaConfig, settings: IndexPoolConfig, indexer: Indexer, max_length: int,
+                 dtype: torch.dtype = torch.bfloat16, device=None):
+        settings.validate(config.context_length)
+        if indexer.kpool != settings.kpool:
+            raise ValueError(f"the indexer pools {indexer.kpool} tokens, the settings ask for kpool={settings.kpool}")
+        self.config, self.settings, self.indexer = config, settings, indexer
+        self.max_length, self.dtype = max_length, dtype
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.context_length = config.context_length
+        n_layers = config.n_layers
+        self.kv_storage = choose_kv_storage(settings.kv_storage, max_length, config, dtype)
+        self.store = HistoryStore(n_layers, max_length, config.n_kv_heads, config.head_dim, self.kv_storage, dtype,
+                                  settings.offload_dir, device)
+        self.index = PooledIndexCache(indexer.ape, max_length, 1, INDEX_DTYPES[settings.index_dtype], device)
+        self.sources = indexer_source_layers(settings.schedule or ["full"] * n_layers)
+        if len(self.sources) != n_layers:
+            raise ValueError(f"the indexer schedule lists {len(self.sources)} layers; the model has {n_layers}")
+        # The window, plus a segment, plus the up to kpool - 1 tokens by which ws is rounded down.
+        self.recent_capacity = settings.window + settings.segment + settings.kpool
+        recent_shape = (n_layers, config.n_kv_heads, self.recent_capacity, config.head_dim)
+        self.recent_k = torch.zeros(recent_shape, dtype=dtype, device=device)  # rotated at true positions
+        self.recent_v = torch.zeros(recent_shape, dtype=dtype, device=device)
+        self.recent_start = 0  # position held by slot 0
+        self.inv_freq = inverse_frequencies(config).to(device)
+        self.length = 0  # tokens held
+        self.selections: dict[int, torch.Tensor] = {}  # far positions chosen by each layer in this forward
+        # Called as on_select(layer, query_positions, far_positions) after each layer's selection (for evidence).
+        self.on_select: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+
+    def bytes_per_token(self) -> dict[str, float]:
+        """Bytes per token over all layers: history K/V, pooled index (amortised over a pool)."""
+        return {"history_kv": self.store.bytes_per_token(),
+                "pooled_index": self.index.bytes_per_token() * self.config.n_layers}
+
+    def fixed_bytes(self) -> int:
+        """Buffers whose size does not grow with the input: the recent window, the index tail."""
+        tensors = (self.recent_k, self.recent_v, self.index._tail_keys, self.index._tail_gates)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def truncate(self, length: int) -> int:
+        """Keep the first `length` tokens or fewer (down to a pool boundary); returns how many are kept."""
+        length = min(length, self.length)
+        length -= length % self.settings.kpool
+        if length == self.length:
+            return length
+        self.index.truncate(length)
+        ws = self._window_start(length)
+        if ws < self.recent_start:  # the window's start has left the buffer: refill it from the store
+            self.recent_start = ws
+            self._refill_recent(ws, length)
+        self.length = length
+        return length
+
+    def _refill_recent(self, start: int, end: int) -> None:
+        cos, sin = rope_at(self.inv_freq, torch.arange(start, end, device=self.inv_freq.device))
+        for layer in range(self.config.n_layers):
+            k, v = self.store.read(layer, start, end)
+            self.recent_k[layer, :, : end - start] = apply_rope(k.float(), cos, sin).to(self.dtype).transpose(0, 1)
+            self.recent_v[layer, :, : end - start] = v.transpose(0, 1)
+
+    def _window_start(self, position: int) -> int:
+        kpool = self.settings.kpool
+        return max(0, (position - self.settings.window) // kpool * kpool)
+
+    def begin(self, start: int, length: int) -> None:
+        if start != self.length:
+            raise ValueError(f"the cache holds {self.length} tokens; truncate it before writing at {start}")
+        if start + length > self.max_length:
+            raise ValueError(f"cache holds {self.max_length} tokens; asked for positions up to {start + length}")
+        s = self.settings
+        self.start, self.end = start, start + length
+        self.ws = self._window_start(start)
+        if self.end - self.recent_start > self.recent_capacity:  # slide: keep [ws, start), make room after it
+            if self.end - self.ws > self.recent_capacity:
+                raise ValueError(f"a forward of {length} tokens exceeds the segment length {s.segment}")
+            keep = slice(self.ws - self.recent_start, start - self.recent_start)
+            self.recent_k[:, :, : start - self.ws] = self.recent_k[:, :, keep].clone()
+            self.recent_v[:, :, : start - self.ws] = self.recent_v[:, :, keep].clone()
+            self.recent_start = self.ws
+        self.n_sinks = min(s.sinks, self.ws)
+        self.n_far = self.ws - self.n_sinks
+        self.per_block = length <= s.query_tokens and self.n_far > s.topk
+        self.query_block = min(s.query_block, length) if self.per_block else length
+        # While everything is selected inside the trained context, attention is exactly dense.
+        self.true_positions = self.n_far <= s.topk and self.end <= self.context_length
+        device = self.inv_freq.device
+        self.positions = torch.arange(start, self.end, device=device)
+        self.cos, self.sin = rope_at(self.inv_freq, self.positions)
+        n_attended = self.n_sinks + min(self.n_far, s.topk)  # sinks, then far tokens, in ascending order
+        placed = torch.arange(n_attended, device=device)
+        if not self.true_positions:
+            # The sinks and far tokens keep their order but close up into one block just before the window.
+            placed += self.ws - n_attended
+        cos, sin = rope_at(self.inv_freq, placed)
+        half = self.head_dim // 2
+        # For rotating by roll: x * cos + roll(x, half) * [-sin | sin] is rotate-half RoPE.
+        self.far_cos, self.far_sin_signed = cos.to(self.dtype), torch.cat([-sin[..., :half], sin[..., half:]], -1).to(self.dtype)
+        # Query rows are (query, head of the KV group); a row sees the window keys at positions <= its query's.
+        hidden = torch.arange(self.ws, self.end, device=device)[None, :] > self.positions[:, None]
+        hidden = hidden.repeat_interleave(self.n_heads // self.n_kv_heads, dim=0)
+        self.recent_mask = None
+        if length > 1:
+            self.recent_mask = torch.zeros(hidden.shape, dtype=self.dtype, device=device).masked_fill_(hidden, float("-inf"))
+        self.selections = {}
+        self.length = self.end
+
+    def _select(self, layer: int, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Positions of the sinks and the far tokens each query block attends to: (n_blocks, N), ascending."""
+        s = self.settings
+        source = self.sources[layer]
+        if source != layer:
+            return self.selections[source]
+        device = q.device
+        T = q.shape[1]
+        n_blocks = -(-T // self.query_block)
+        sinks = torch.arange(self.n_sinks, device=device)
+        if self.n_far <= s.topk:  # everything fits: no scoring
+            return torch.arange(self.ws, device=device).expand(n_blocks, -1)
+        first_pool, end_pool = self.n_sinks // s.kpool, self.ws // s.kpool
+        pooled = self.index.pooled(layer)[:, first_pool:end_pool]
+        index_q, weights = self.indexer.queries(layer, x, q)
+        if not self.per_block:  # one selection for the segment, from its mean index query
+            index_q, weights = index_q.mean(dim=1, keepdim=True), weights.mean(dim=1, keepdim=True)
+        scores = self.indexer.score(layer, index_q, weights, pooled)[0]  # (T or 1, P)
+        if self.per_block:
+            scores = F.pad(scores, (0, 0, 0, -T % self.query_block)).view(n_blocks, -1, scores.shape[1]).sum(1)
+        pools = scores.topk(s.topk // s.kpool, dim=-1).indices.sort(dim=-1).values + first_pool
+        far = (pools[..., None] * s.kpool + torch.arange(s.kpool, device=device)).flatten(-2)
+        return torch.cat([sinks.expand(n_blocks, -1), far], dim=-1)
+
+    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Attention over the far part (sinks + selected, per query block) and the recent window, computed
+        separately and merged by their log-sum-exps (no copy of the window per block)."""
+        if qk.shape[0] != 1:
+            raise ValueError("the IndexPool cache runs one sequence at a time")
+        H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
+        T, group = qk.shape[1], H // KV
+        q, k = qk[:, :, :H], qk[:, :, H:]  # un-rotated
+        index_keys, gate_logits = self.indexer.keys(layer, x, k)
+        self.index.append(layer, index_keys, gate_logits)
+        self.store.write(layer, self.start, k[0], v[0])
+        q_rot = apply_rope(q, self.cos, self.sin).to(self.dtype)[0]  # (T, H, D)
+        slots = slice(self.start - self.recent_start, self.end - self.recent_start)
+        self.recent_k[layer, :, slots] = apply_rope(k, self.cos, self.sin)[0].transpose(0, 1)
+        self.recent_v[layer, :, slots] = v[0].transpose(0, 1)
+
+        far = self._select(layer, x, q)
+        self.selections[layer] = far
+        if self.on_select is not None:
+            self.on_select(layer, self.positions, far)
+        n_blocks, block = far.shape[0], self.query_block
+        # Recent window: all T * group query rows of each KV head.
+        q_rows = q_rot.view(T, KV, group, D).transpose(0, 1).reshape(1, KV, T * group, D)
+        recent = slice(self.ws - self.recent_start, self.end - self.recent_start)
+        out, lse = attention_with_lse(q_rows, self.recent_k[None, layer, :, recent], self.recent_v[None, layer, :, recent],
+                                      self.recent_mask)
+        if far.shape[1]:
+            # Far part: one batch entry per query block, the block's query rows per KV head.
+            far_k, far_v = self.store.gather(layer, far)  # (n_blocks, N, KV, D)
+            # In place on the freshly gathered keys: several times faster than out-of-place bf16 ops here.
+            far_k = far_k.roll(self.head_dim // 2, -1).mul_(self.far_sin_signed).addcmul_(far_k, self.far_cos)
+            q_blocks = F.pad(q_rot, (0, 0, 0, 0, 0, n_blocks * block - T)).view(n_blocks, block, KV, group, D)
+            q_blocks = q_blocks.transpose(1, 2).reshape(n_blocks, KV, block * group, D)
+            far_out, far_lse = attention_with_lse(q_blocks, far_k.transpose(1, 2), far_v.transpose(1, 2))
+            # Back to the recent part's row order: (KV, T * group).
+            far_out = far_out.view(n_blocks, KV, block * group, D).transpose(0, 1).reshape(1, KV, -1, D)[:, :, : T * group]
+            far_lse = far_lse.transpose(0, 1).reshape(1, KV, -1)[:, :, : T * group]
+            out = merge_attention(out, lse, far_out, far_lse)
+        return out.view(KV, T, group, D).transpose(0, 1).reshape(1, T, H * D)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention (B, heads, L, D) and the fp32 log-sum-exp of its scaled logits (B, heads, L), so that
+    attention over a union of key sets can be merged from its parts. On the CPU, PyTorch's flash kernel returns
+    both; elsewhere this is the plain fp32 reference."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
+        return out, lse
+    logits = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        logits = logits + mask.float()
+    lse = logits.logsumexp(dim=-1)
+    return ((logits - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets, from each set's output and log-sum-exp."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    weight_a, weight_b = (lse_a - lse).exp()[..., None], (lse_b - lse).exp()[..., None]
+    return (out_a.float() * weight_a + out_b.float() * weight_b).to(out_a.dtype)
