@@ -36,13 +36,16 @@ def worker(length: int, mode: str, decode: int, threads: int | None, options: di
     from model.generate import Session
     from model.indexpool import per_token_index_bytes
     from model.indexpool_cache import IndexPoolConfig
+    from indexpool_cli.attention import AttentionChoice, default_indexer
     from model.runtime import load_engine, set_threads
 
     set_threads(threads)
     loaded = load_engine(None)
     ids = text_ids(loaded.tokenizer, length)
-    settings = IndexPoolConfig(**options) if mode == "indexpool" else None
-    session = Session(loaded.model, length + decode, attention=settings)
+    settings = mode == "indexpool"
+    indexer = default_indexer(AttentionChoice(indexer=options.pop("indexer")), loaded)
+    session = Session(loaded.model, length + decode, attention=IndexPoolConfig(**options) if settings else None,
+                      indexer=indexer if settings else None)
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.perf_counter()
     logits = session.prefill(ids)
@@ -67,6 +70,7 @@ def worker(length: int, mode: str, decode: int, threads: int | None, options: di
         result["per_token_index"] = per_token_index_bytes(cache.indexer.key_dim, torch.bfloat16) * config.n_layers
         result["fixed_bytes"] = cache.fixed_bytes()
         result["kv_storage"] = cache.kv_storage
+        result["indexer"] = type(indexer).__name__
     else:
         result["history_kv"] = config.kv_bytes_per_token(loaded.model.dtype)
     return result
@@ -78,12 +82,14 @@ def main() -> None:
     parser.add_argument("--dense", default="4096,32768", help="dense context lengths, or 'none'")
     parser.add_argument("--decode", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--indexer", default="auto", help="auto, training-free, trained or an indexer file")
     parser.add_argument("--kv-storage", default="auto")
     parser.add_argument("--index-dtype", default="bf16")
     parser.add_argument("--offload-dir", default=None)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    options = {"kv_storage": args.kv_storage, "index_dtype": args.index_dtype, "offload_dir": args.offload_dir}
+    options = {"kv_storage": args.kv_storage, "index_dtype": args.index_dtype, "offload_dir": args.offload_dir,
+               "indexer": args.indexer}
     if args.worker:
         length, mode = args.worker.split(":")
         print(json.dumps(worker(int(length), mode, args.decode, args.threads, options)))
@@ -96,7 +102,7 @@ def main() -> None:
           f"{'KV B/tok':>9} {'index B/tok':>11} {'per-token index':>15}", flush=True)
     for length, mode in runs:
         command = [sys.executable, __file__, "--worker", f"{length}:{mode}", "--decode", str(args.decode),
-                   "--kv-storage", args.kv_storage, "--index-dtype", args.index_dtype]
+                   "--kv-storage", args.kv_storage, "--index-dtype", args.index_dtype, "--indexer", args.indexer]
         command += ["--threads", str(args.threads)] if args.threads else []
         command += ["--offload-dir", args.offload_dir] if args.offload_dir else []
         done = subprocess.run(command, capture_output=True, text=True)
@@ -109,7 +115,7 @@ def main() -> None:
         per_token = f"{r['per_token_index']:.0f}" if "per_token_index" in r else "-"
         print(f"{length:>8} {mode:>9} {r['prefill_tok_s']:>13.0f} {r['decode_tok_s']:>12.1f} "
               f"{r['peak_rss'] / 2**20:>12.0f} {r['history_kv']:>9.0f} {index:>11} {per_token:>15}"
-              + (f"  ({r['kv_storage']} K/V, fixed buffers {r['fixed_bytes'] / 2**20:.0f} MiB)" if mode == "indexpool" else ""),
+              + (f"  ({r['indexer']}, {r['kv_storage']} K/V, fixed buffers {r['fixed_bytes'] / 2**20:.0f} MiB)" if mode == "indexpool" else ""),
               flush=True)
     by = {(r["length"], r["mode"]): r for r in results}
     lengths = sorted({r["length"] for r in results if r["mode"] == "indexpool"})

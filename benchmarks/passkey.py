@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from model.generate import GenerationStats, SamplingParams, Sampler, Session  # noqa: E402
 from model.indexpool_cache import IndexPoolConfig  # noqa: E402
+from indexpool_cli.attention import AttentionChoice, default_indexer  # noqa: E402
 from model.runtime import load_engine, set_threads  # noqa: E402
 
 DEPTHS = [0.05 + 0.1 * i for i in range(10)]
@@ -66,8 +67,9 @@ def run(args) -> None:
     loaded = load_engine(args.model, dtype=args.dtype)
     tokenizer = loaded.tokenizer
     hay_ids = tokenizer.encode(haystack_text(args.haystack))
+    indexer = default_indexer(AttentionChoice(indexer=args.indexer), loaded)
     rng = random.Random(args.seed)
-    print(f"model {loaded.name}, {args.haystack} haystack of {len(hay_ids)} tokens, threads {torch.get_num_threads()}", flush=True)
+    print(f"model {loaded.name}, indexer {type(indexer).__name__}, {args.haystack} haystack of {len(hay_ids)} tokens, threads {torch.get_num_threads()}", flush=True)
     print(f"{'length':>8} {'mode':>9} {'accuracy':>9} {'trials':>6} {'prefill tok/s':>13}  hits per depth (5%..95%)")
     for length in args.lengths:
         trials = [(DEPTHS[i % 10], rng.randrange(10000, 100000)) for i in range(args.trials)]
@@ -75,7 +77,7 @@ def run(args) -> None:
         for mode in args.modes:
             attention = None if mode == "dense" else IndexPoolConfig(topk=args.topk, window=args.window,
                                                                      sinks=args.sinks, segment=args.segment)
-            session = Session(loaded.model, length + 16, attention=attention)
+            session = Session(loaded.model, length + 16, attention=attention, indexer=indexer if attention else None)
             hits, speeds = {d: 0 for d in DEPTHS}, []
             for depth, key in trials:
                 prompt, _ = build_prompt(tokenizer, hay_ids, length, depth, key)
@@ -106,6 +108,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--indexer", default="auto", help="auto, training-free, trained or an indexer file")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--topk", type=int, default=IndexPoolConfig.topk)
     parser.add_argument("--window", type=int, default=IndexPoolConfig.window)

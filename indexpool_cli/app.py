@@ -225,7 +225,7 @@ def info(
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ):
-    """Describe the model: size, dtype, threads, context length and cache bytes per token."""
+    """Describe the model: size, dtype, threads, context length and cache bytes per token (dense and IndexPool)."""
     import torch
 
     from model.quant import DecodeQuantLinear
@@ -251,6 +251,7 @@ def info(
         "kv_cache_bytes_per_token": cfg.kv_bytes_per_token(m.dtype),
         "decode_weights": "+".join(f"int{b}" for b in sorted({q.bits for q in m.modules() if isinstance(q, DecodeQuantLinear)})) or "same as dtype",
     }
+    facts.update(_indexpool_bytes(loaded))
     if json_out:
         print(json.dumps(facts))
         return
@@ -258,6 +259,34 @@ def info(
     for key, value in facts.items():
         shown = f"{value:,}" if isinstance(value, int) and key not in ("threads",) else value
         print(f"{key.replace('_', ' '):<{width}}  {shown}")
+
+
+def _indexpool_bytes(loaded) -> dict:
+    """IndexPool cache bytes per token (all layers) with the default settings and indexer, per storage choice."""
+    import torch
+
+    from model.indexpool import per_token_index_bytes
+    from model.indexpool_cache import IndexPoolCache
+
+    from .attention import default_indexer
+
+    choice = AttentionChoice()
+    indexer = default_indexer(choice, loaded)
+    parts = {}
+    for kv_storage, index_dtype in (("bf16", "bf16"), ("int8", "fp8")):
+        settings = choice.settings()
+        settings.kv_storage, settings.index_dtype = kv_storage, index_dtype
+        try:
+            cache = IndexPoolCache(loaded.config, settings, indexer, 4 * settings.kpool, loaded.model.dtype)
+        except ValueError:  # a model whose context cannot hold the default window, topk and segment
+            return {}
+        sizes = cache.bytes_per_token()
+        parts[f"indexpool_history_kv_{kv_storage}_bytes_per_token"] = sizes["history_kv"]
+        parts[f"indexpool_pooled_index_{index_dtype}_bytes_per_token"] = sizes["pooled_index"]
+    parts["indexpool_indexer"] = type(indexer).__name__
+    parts["per_token_index_bf16_bytes_per_token"] = per_token_index_bytes(indexer.key_dim, torch.bfloat16) * loaded.config.n_layers
+    parts["indexpool_fixed_bytes"] = cache.fixed_bytes()
+    return parts
 
 
 @command
@@ -277,6 +306,11 @@ def bench(
     if unknown := [e for e in chosen if e not in ENGINES]:
         raise typer.BadParameter(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
     run_bench(model, [int(c) for c in contexts.split(",")], prefill_length, decode_tokens, repeats, chosen, json_out)
+
+
+from .distill import distill  # noqa: E402  (the command's heavy imports happen when it runs)
+
+command(distill)
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ class AttentionChoice:
     topk: Annotated[int, typer.Option("--topk", min=1, help="IndexPool: far tokens each query attends to (a multiple of kpool).")] = IndexPoolConfig.topk
     window: Annotated[int, typer.Option("--window", min=1, help="IndexPool: recent tokens always attended.")] = IndexPoolConfig.window
     sinks: Annotated[int, typer.Option("--sinks", min=0, help="IndexPool: first tokens always attended.")] = IndexPoolConfig.sinks
-    indexer: Annotated[str, typer.Option("--indexer", help="IndexPool indexer: auto (the trained one shipped for the model, else training-free), training-free, trained, or an indexer file.")] = "auto"
+    indexer: Annotated[str, typer.Option("--indexer", help="IndexPool indexer: auto (training-free: it measured better, see docs/benchmarks.md), training-free, trained (the one shipped for the model), or an indexer file from `indexpool distill`.")] = "auto"
     index_dtype: Annotated[str, typer.Option("--index-dtype", help="IndexPool pooled-index storage: bf16, fp16 or fp8.")] = IndexPoolConfig.index_dtype
     kv_storage: Annotated[str, typer.Option("--kv-storage", help="IndexPool history K/V: auto (bf16 while it takes under a quarter of RAM, else int8), bf16 or int8.")] = IndexPoolConfig.kv_storage
     offload_dir: Annotated[Optional[Path], typer.Option("--offload-dir", help="IndexPool: keep history K/V in a memory-mapped file in this directory (deleted on exit).")] = None
@@ -56,29 +56,25 @@ def attention_options(fn):
     return run
 
 
-def _indexer(choice: AttentionChoice, loaded):
+def default_indexer(choice: AttentionChoice, loaded):
     from model.indexers import TrainingFreeIndexer
+    from model.lightning_indexer import LightningIndexer, ModelFingerprint, default_indexer_path
 
     kind = choice.indexer
-    if kind == "training-free":
+    if kind in ("auto", "training-free"):  # auto: the kind that measured better on retrieval (docs/benchmarks.md)
         return TrainingFreeIndexer(loaded.config, choice.kpool, loaded.model.tok_embeddings.weight.device)
-    try:
-        from model.lightning_indexer import LightningIndexer, default_indexer_path
-    except ImportError:  # no trained indexer in this build
-        LightningIndexer = default_indexer_path = None
-    if kind in ("auto", "trained"):
-        path = default_indexer_path(loaded.name) if default_indexer_path else None
+    if kind == "trained":
+        path = default_indexer_path(loaded.name)
         if path is None:
-            if kind == "trained":
-                raise InputError(f"no trained indexer is shipped for {loaded.name}; make one with `indexpool distill` "
-                                 "and pass it with --indexer PATH")
-            return _indexer(AttentionChoice(**{**choice.__dict__, "indexer": "training-free"}), loaded)
+            raise InputError(f"no trained indexer is shipped for {loaded.name}; make one with `indexpool distill` "
+                             "and pass it with --indexer PATH")
     else:
         path = Path(kind)
         if not path.is_file():
             raise InputError(f"indexer file {path} not found (or use --indexer auto|training-free|trained)")
     try:
-        return LightningIndexer.load(path, device=loaded.model.tok_embeddings.weight.device)
+        return LightningIndexer.load(path, device=loaded.model.tok_embeddings.weight.device,
+                                     model=ModelFingerprint.of(loaded))
     except ValueError as e:
         raise InputError(f"indexer {path}: {e}") from None
 
@@ -106,5 +102,5 @@ def open_session(loaded, choice: AttentionChoice, needed_tokens: int | None):
             raise InputError(f"the input needs {needed_tokens} tokens (prompt + new tokens) but dense attention holds "
                              f"the model's context of {context}; use --attention indexpool (or auto)")
         return Session(loaded.model, min(context, needed_tokens or context))
-    indexer = _indexer(choice, loaded)
+    indexer = default_indexer(choice, loaded)
     return Session(loaded.model, needed_tokens or CHAT_CONTEXT, attention=settings, indexer=indexer)

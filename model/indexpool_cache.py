@@ -51,7 +51,7 @@ class IndexPoolConfig:
     sinks: int = 64  # first tokens always attended
     segment: int = 2048  # prefill tokens per forward; they share one far selection
     query_tokens: int = 64  # forwards of at most this many tokens select per block of query_block queries
-    query_block: int = 8  # in such forwards, this many consecutive queries share one selection (decode: 1)
+    query_block: int = 1  # in such forwards, this many consecutive queries share one selection
     index_dtype: str = "bf16"  # pooled index storage: bf16, fp16 or fp8 (e4m3, one scale per pooled key)
     kv_storage: str = "auto"  # history K/V: bf16, int8, or auto (bf16 while it takes under a quarter of RAM)
     offload_dir: str | None = None  # keep history K/V in a memory-mapped file in this directory

@@ -1,0 +1,197 @@
+"""How much of the model's attention IndexPool's token selection keeps, per indexer.
+
+The dense model reads held-out English (the tail of pydoc_data.topics, which `indexpool distill` does not train
+on) once per context length, in 512-token segments, while each indexer fills its pooled index (`PooledIndexCache`,
+as the IndexPool cache stores it). At query positions spread over the last 10% of the text, per layer and head,
+attention probabilities (softmax over all keys) are summed over what the query would attend to: sinks [0, 64) +
+the indexer's top 512 pools of 4 among the far candidates (complete pools inside [64, ws)) + the recent window
+[ws, p], ws = (p - 1024) rounded down to a pool. Reported: that mass averaged over heads, layers and queries; the
+share of the far mass (outside sinks and window) it catches; the worst layer. "sinks + window" is the floor (no far
+tokens), "oracle" the top pools by the attention itself (the ceiling for 512 pools chosen per layer).
+
+Two attentions are measured against. "dense": the dense model as it is; past its trained context (8K) its queries
+meet distances it never saw. "in-context": the same queries and keys with every far token at one in-context
+distance, as the IndexPool cache places what it selects (see in_context_probs).
+
+    .venv/bin/python benchmarks/indexer_recall.py --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from model.indexer_training import DenseCapture, SparsePattern, held_out_text, pool_targets  # noqa: E402
+from model.indexers import TrainingFreeIndexer  # noqa: E402
+from model.indexpool import FP8_DTYPE, PooledIndexCache, per_token_index_bytes  # noqa: E402
+from model.lightning_indexer import LightningIndexer, ModelFingerprint, default_indexer_path  # noqa: E402
+from model.llama import apply_rope, rope_tables  # noqa: E402
+from model.runtime import load_engine  # noqa: E402
+
+
+TEACHERS = {
+    "dense": "the dense model, keys at their true positions (beyond 8K: distances it was never trained on)",
+    "in-context": "far tokens moved to an in-context distance, as the IndexPool cache places them",
+}
+
+
+class IndexingCapture(DenseCapture):
+    """Dense attention that also fills one pooled index per (indexer, storage dtype), as the IndexPool cache would."""
+
+    def __init__(self, model, length, query_positions, indexers: dict[str, tuple[object, torch.dtype]]):
+        super().__init__(model, length, query_positions, keep_inputs=False)
+        self.indexers = indexers
+        self.indexes = {name: PooledIndexCache(indexer.ape, length, 1, dtype, self.k.device)
+                        for name, (indexer, dtype) in indexers.items()}
+
+    def attend(self, layer, qk, v, x):
+        k = qk[:, :, self.n_heads :]
+        for name, (indexer, _) in self.indexers.items():
+            self.indexes[name].append(layer, *indexer.keys(layer, x, k))
+        return super().attend(layer, qk, v, x)
+
+
+def attended_tokens(positions: torch.Tensor, chosen_pools: torch.Tensor | None, length: int,
+                    pattern: SparsePattern) -> torch.Tensor:
+    """(Q, length) bool: sinks, the chosen far pools' tokens (chosen_pools (Q, n), -1 for none) and the window."""
+    token = torch.arange(length)
+    attended = (token < pattern.sinks) | ((token >= pattern.window_start(positions)[:, None]) & (token <= positions[:, None]))
+    if chosen_pools is not None:
+        n_pools = length // pattern.kpool
+        chosen = torch.zeros(len(positions), n_pools + 1, dtype=torch.bool)  # the last slot takes the -1 padding
+        chosen.scatter_(1, chosen_pools.masked_fill(chosen_pools < 0, n_pools), True)
+        chosen[:, n_pools] = False
+        attended |= chosen[:, token // pattern.kpool]
+    return attended
+
+
+def choose_pools(scores: torch.Tensor, positions: torch.Tensor, pattern: SparsePattern) -> torch.Tensor:
+    """The best topk // kpool far candidate pools per query (Q, n); -1 where a query has fewer candidates."""
+    first, ends = pattern.far_pools(positions)
+    pool = torch.arange(scores.shape[-1])
+    masked = scores.masked_fill((pool < first) | (pool >= ends[:, None]), float("-inf"))
+    n_select = min(pattern.topk // pattern.kpool, scores.shape[-1])
+    best = masked.topk(n_select, dim=-1)
+    return best.indices.masked_fill(best.values == float("-inf"), -1)
+
+
+def in_context_probs(cache: IndexingCapture, layer: int, cos: torch.Tensor, sin: torch.Tensor,
+                     pattern: SparsePattern) -> torch.Tensor:
+    """(heads, Q, length) fp32: the attention the model gives when no key is farther than it was trained for, as in
+    the IndexPool cache: the window at its true distances, every far token at one distance (window + topk / 2, the
+    middle of the block the cache moves selected far tokens to) and sink i just beyond, at window + topk + sinks - i."""
+    positions = cache.query_positions
+    Q, H, KV, D = len(positions), cache.n_heads, cache.n_kv_heads, cache.head_dim
+    q = cache.queries[layer].float().unflatten(1, (KV, H // KV))  # (Q, KV, group, D), un-rotated
+    rotated_keys = cache.k[layer, 0].float().transpose(0, 1)  # (length, KV, D)
+    length = rotated_keys.shape[0]
+    keys = apply_rope(rotated_keys[None], cos[:length, None], -sin[:length, None])[0]  # rotated back
+    token = torch.arange(length)
+
+    # A logit depends on the distance only: rotate the query by it and leave the key un-rotated.
+    far_distance = pattern.window + pattern.topk // 2
+    far_q = apply_rope(q, cos[far_distance], sin[far_distance])
+    logits = torch.einsum("qgnd,tgd->gnqt", far_q, keys)
+    sink_distances = pattern.window + pattern.topk + pattern.sinks - token[: pattern.sinks]
+    sink_q = apply_rope(q[None], cos[sink_distances, None, None, None], sin[sink_distances, None, None, None])
+    logits[..., : pattern.sinks] = torch.einsum("sqgnd,sgd->gnqs", sink_q, keys[: pattern.sinks])
+    true_q = apply_rope(q, cos[positions, None, None], sin[positions, None, None])
+    window = (token >= pattern.window_start(positions)[:, None]) & (token <= positions[:, None])
+    logits = torch.where(window, torch.einsum("qgnd,tgd->gnqt", true_q, rotated_keys), logits)
+    logits = logits.reshape(H, Q, length) * D**-0.5
+    return logits.masked_fill_(token > positions[:, None], float("-inf")).softmax(dim=-1)
+
+
+@torch.no_grad()
+def measure(model, tokens: list[int], n_positions: int, indexers: dict, pattern: SparsePattern) -> dict:
+    """{teacher: {method: (n_layers, Q) attention mass kept, averaged over heads}} for both teachers: the dense
+    model as it is ("dense"), and with far tokens at in-context distances ("in-context", see in_context_probs)."""
+    length = len(tokens)
+    positions = torch.linspace(int(0.9 * length), length - 1, n_positions).round().long().unique()
+    cache = IndexingCapture(model, length, positions, indexers)
+    ids = torch.tensor([tokens])
+    for start in range(0, length, 512):
+        model(ids[:, start : start + 512], start, cache)
+    cos, sin = rope_tables(model.config, max(length, pattern.window + pattern.topk + pattern.sinks + 1), torch.float32)
+    base = attended_tokens(positions, None, length, pattern)
+    kept = {teacher: {name: [] for name in ["sinks + window", *indexers, "oracle"]} for teacher in TEACHERS}
+    for layer in range(model.config.n_layers):
+        chosen = {"sinks + window": None}
+        for name, (indexer, _) in indexers.items():
+            index_q, weights = indexer.queries(layer, cache.query_x[layer, None], cache.queries[layer, None])
+            scores = indexer.score(layer, index_q, weights, cache.indexes[name].pooled(layer))[0]
+            chosen[name] = choose_pools(scores, positions, pattern)
+        attended = {name: base if pools is None else attended_tokens(positions, pools, length, pattern)
+                    for name, pools in chosen.items()}
+        for teacher, probs in (("dense", cache.attention_probs(layer, cos, sin)),
+                               ("in-context", in_context_probs(cache, layer, cos, sin, pattern))):
+            oracle = choose_pools(pool_targets(probs, positions, pattern), positions, pattern)
+            for name, tokens_kept in {**attended, "oracle": attended_tokens(positions, oracle, length, pattern)}.items():
+                kept[teacher][name].append((probs * tokens_kept).sum(dim=-1).mean(dim=0))
+    return {teacher: {name: torch.stack(values) for name, values in methods.items()} for teacher, methods in kept.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="8192,16384,32768", help="comma-separated context lengths")
+    parser.add_argument("--positions", type=int, default=32, help="query positions per length (last 10%%)")
+    parser.add_argument("--indexer", type=Path, help="a lightning indexer file (default: the shipped one)")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the dense model's dtype")
+    parser.add_argument("--threads", type=int, help="CPU threads")
+    parser.add_argument("--per-layer", action="store_true", help="also print every layer's figure")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    loaded = load_engine(None, dtype=args.dtype, decode_weights="off")
+    pattern = SparsePattern()
+    indexers = {"training-free, bf16": (TrainingFreeIndexer(loaded.config, pattern.kpool), torch.bfloat16)}
+    path = args.indexer or default_indexer_path(loaded.name)
+    if path is None:
+        print("no lightning indexer shipped for this model: give --indexer", file=sys.stderr)
+    else:
+        lightning = LightningIndexer.load(path, model=ModelFingerprint.of(loaded))
+        indexers["lightning, bf16"] = (lightning, torch.bfloat16)
+        indexers["lightning, fp8"] = (lightning, FP8_DTYPE)
+    tokens = loaded.tokenizer.encode(held_out_text())
+    lengths = [int(n) for n in args.lengths.split(",")]
+    if max(lengths) > len(tokens):
+        parser.error(f"the held-out text has {len(tokens)} tokens; the longest length must not exceed it")
+
+    print(f"{loaded.name}, dense {args.dtype}, held-out pydoc topics; sinks {pattern.sinks}, window {pattern.window}, "
+          f"top {pattern.topk // pattern.kpool} pools of {pattern.kpool}; {args.positions} queries in the last 10%")
+    for length in lengths:
+        t0 = time.perf_counter()
+        kept = measure(loaded.model, tokens[:length], args.positions, indexers, pattern)
+        print(f"\n{length} tokens ({time.perf_counter() - t0:.0f} s)")
+        for teacher, methods in kept.items():
+            floor = methods["sinks + window"]
+            print(f"  attention of {teacher}: {TEACHERS[teacher]}")
+            print(f"  {'':22} {'mass kept':>9} {'far mass kept':>13} {'worst layer':>14}")
+            for name, values in methods.items():
+                per_layer = values.mean(dim=1)
+                far = ((values - floor).sum() / (1 - floor).sum()).item()
+                worst = int(per_layer.argmin())
+                print(f"  {name:22} {values.mean().item():9.4f} {far:13.4f} {per_layer[worst].item():9.4f} (L{worst})")
+                if args.per_layer:
+                    print("      " + " ".join(f"{v:.3f}" for v in per_layer.tolist()))
+
+    kv_bytes = loaded.config.kv_bytes_per_token(loaded.model.dtype) / loaded.config.n_layers
+    print(f"\nindex bytes per token and layer: pooled (amortised over a pool), one key per token (plain DSA, same "
+          f"width), and the pooled index against the {kv_bytes:.0f} bytes of K and V per token and layer")
+    for name, (indexer, dtype) in indexers.items():
+        pooled = PooledIndexCache(indexer.ape, pattern.kpool, 1, dtype).bytes_per_token()
+        per_token = per_token_index_bytes(indexer.key_dim, dtype)
+        print(f"  {name:22} d={indexer.key_dim:<4} pooled {pooled:5.1f}, per token {per_token:4d} "
+              f"(ratio {pooled / per_token:.2f}), {pooled / kv_bytes:.3f} of K+V")
+
+
+if __name__ == "__main__":
+    main()
