@@ -8,8 +8,8 @@ A query at position p attends exactly to three parts of the history:
     While [sinks, ws) holds at most topk tokens, all of it is taken.
 
 Storage, per layer: the un-rotated K and V of every token in a `HistoryStore` (bf16 or int8 with one scale per
-token and KV head; in memory or in a memory-mapped file), where far tokens are gathered from; the sinks and the
-recent window in exact bf16 buffers (the window's keys already rotated); the pooled index keys.
+token and KV head; in memory or in a memory-mapped file), where the sinks and far tokens are gathered from; the
+recent window in an exact bf16 buffer (its keys already rotated); the pooled index keys.
 
 Positions. While everything is selected and the input is inside the model's trained context, every token sits at
 its true position: a short input gets exactly dense attention. Otherwise the selected far tokens keep their order
@@ -18,7 +18,7 @@ distance exceeds sinks + topk + window + segment, which must stay inside the tra
 tokens at one distance; here a number spread over several far tokens keeps its digit order, which a copy needs.)
 
 Selection. A forward of at most `query_tokens` tokens (a decode step, the last tokens of a prompt: the question)
-selects per block of `query_block` consecutive queries (their scores summed; a decode step is a block of one). A
+selects per block of `query_block` consecutive queries (their scores summed; default 1: per query). A
 longer prefill segment shares one selection, scored with the segment's mean index query: a per-query scan of every
 pool for thousands of queries would cost more than the attention it saves.
 """
