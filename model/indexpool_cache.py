@@ -267,6 +267,10 @@ class IndexPoolCache:
         half = self.head_dim // 2
         # For rotating by roll: x * cos + roll(x, half) * [-sin | sin] is rotate-half RoPE.
         self.far_cos, self.far_sin_signed = cos.to(self.dtype), torch.cat([-sin[..., :half], sin[..., half:]], -1).to(self.dtype)
+        # Built once per forward rather than in every layer: the positions taken whole (the sinks, or everything
+        # before the window while it fits in topk) and a pool's token offsets.
+        self.fixed_positions = torch.arange(self.ws if self.n_far <= s.topk else self.n_sinks, device=device)
+        self.pool_offsets = torch.arange(s.kpool, device=device)
         # Query rows are (query, head of the KV group); a row sees the window keys at positions <= its query's.
         hidden = torch.arange(self.ws, self.end, device=device)[None, :] > self.positions[:, None]
         hidden = hidden.repeat_interleave(self.n_heads // self.n_kv_heads, dim=0)
@@ -282,12 +286,10 @@ class IndexPoolCache:
         source = self.sources[layer]
         if source != layer:
             return self.selections[source]
-        device = q.device
         T = q.shape[1]
         n_blocks = -(-T // self.query_block)
-        sinks = torch.arange(self.n_sinks, device=device)
         if self.n_far <= s.topk:  # everything fits: no scoring
-            return torch.arange(self.ws, device=device).expand(n_blocks, -1)
+            return self.fixed_positions.expand(n_blocks, -1)
         first_pool, end_pool = self.n_sinks // s.kpool, self.ws // s.kpool
         pooled = self.index.pooled(layer)[:, first_pool:end_pool]
         index_q, weights = self.indexer.queries(layer, x, q)
@@ -297,8 +299,8 @@ class IndexPoolCache:
         if self.per_block:
             scores = F.pad(scores, (0, 0, 0, -T % self.query_block)).view(n_blocks, -1, scores.shape[1]).sum(1)
         pools = scores.topk(s.topk // s.kpool, dim=-1).indices.sort(dim=-1).values + first_pool
-        far = (pools[..., None] * s.kpool + torch.arange(s.kpool, device=device)).flatten(-2)
-        return torch.cat([sinks.expand(n_blocks, -1), far], dim=-1)
+        far = (pools[..., None] * s.kpool + self.pool_offsets).flatten(-2)
+        return torch.cat([self.fixed_positions.expand(n_blocks, -1), far], dim=-1)
 
     def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Attention over the far part (sinks + selected, per query block) and the recent window, computed
@@ -311,9 +313,10 @@ class IndexPoolCache:
         index_keys, gate_logits = self.indexer.keys(layer, x, k)
         self.index.append(layer, index_keys, gate_logits)
         self.store.write(layer, self.start, k[0], v[0])
-        q_rot = apply_rope(q, self.cos, self.sin).to(self.dtype)[0]  # (T, H, D)
+        qk_rot = apply_rope(qk, self.cos, self.sin).to(self.dtype)[0]  # q and k heads rotated in one go
+        q_rot = qk_rot[:, :H]  # (T, H, D)
         slots = slice(self.start - self.recent_start, self.end - self.recent_start)
-        self.recent_k[layer, :, slots] = apply_rope(k, self.cos, self.sin)[0].transpose(0, 1)
+        self.recent_k[layer, :, slots] = qk_rot[:, H:].transpose(0, 1)
         self.recent_v[layer, :, slots] = v[0].transpose(0, 1)
 
         far = self._select(layer, x, q)
