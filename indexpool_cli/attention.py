@@ -3,10 +3,8 @@ session they open."""
 
 from __future__ import annotations
 
-import functools
-import inspect
-import typing
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -15,6 +13,7 @@ import typer
 from model.indexpool_cache import INDEX_DTYPES, KV_STORAGE, IndexPoolConfig
 
 from .console import InputError
+from .options import option_group
 
 ATTENTION_MODES = ("auto", "dense", "indexpool")
 INDEXER_KINDS = ("auto", "training-free", "trained")
@@ -39,21 +38,7 @@ class AttentionChoice:
                                offload_dir=str(self.offload_dir) if self.offload_dir else None)
 
 
-def attention_options(fn):
-    """Add AttentionChoice's fields as options to a command, handed to it as one `attention` argument."""
-    signature = inspect.signature(fn, eval_str=True)
-    hints = typing.get_type_hints(AttentionChoice, include_extras=True)
-    added = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
-             for f in fields(AttentionChoice)]
-    kept = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in signature.parameters.values() if p.name != "attention"]
-
-    @functools.wraps(fn)
-    def run(**kwargs):
-        choice = AttentionChoice(**{f.name: kwargs.pop(f.name) for f in fields(AttentionChoice)})
-        return fn(attention=choice, **kwargs)
-
-    run.__signature__ = signature.replace(parameters=kept + added)
-    return run
+attention_options = option_group(AttentionChoice, "attention")
 
 
 def default_indexer(choice: AttentionChoice, loaded):
@@ -79,8 +64,47 @@ def default_indexer(choice: AttentionChoice, loaded):
         raise InputError(f"indexer {path}: {e}") from None
 
 
-def open_session(loaded, choice: AttentionChoice, needed_tokens: int | None):
-    """A session for an input of `needed_tokens` (prompt + new tokens), or an open-ended one (None: chat)."""
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), capped by INDEXPOOL_MEMORY_LIMIT (bytes) when set; else None."""
+    limit = os.environ.get("INDEXPOOL_MEMORY_LIMIT")
+    if limit:
+        try:
+            cap = int(limit)
+        except ValueError:
+            raise InputError(f"INDEXPOOL_MEMORY_LIMIT must be a number of bytes, not {limit!r}") from None
+        available = available_memory_bytes_of_machine()
+        return cap if available is None else min(cap, available)
+    return available_memory_bytes_of_machine()
+
+
+def available_memory_bytes_of_machine() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory_budget(cache, tokens: int) -> None:
+    """Refuse, before reading anything, an input whose IndexPool cache would not fit in memory."""
+    sizes = cache.bytes_per_token()
+    in_memory = sizes["pooled_index"] + (0 if cache.settings.offload_dir else sizes["history_kv"])
+    needed = tokens * in_memory + cache.fixed_bytes()
+    available = available_memory_bytes()
+    if available is not None and needed > 0.9 * available:
+        hint = "read less (--pages, a smaller folder)" if cache.settings.offload_dir else \
+            "pass --offload-dir DIR to keep the history on disk, or read less (--pages, a smaller folder)"
+        raise InputError(f"the input needs {tokens:,} tokens of cache, about {needed / 2**30:.1f} GiB, more than the "
+                         f"{available / 2**30:.1f} GiB of memory available; {hint}")
+
+
+def open_session(loaded, choice: AttentionChoice, needed_tokens: int | None, auto: str = "fit"):
+    """A session for an input of `needed_tokens` (prompt + new tokens), or an open-ended one (None: chat).
+    --attention auto means dense when the input fits the model's context (auto="fit"), or always IndexPool
+    (auto="indexpool": document jobs, whose sources come from the indexer)."""
     from model.generate import Session
 
     for name, value, allowed in (("--attention", choice.attention, ATTENTION_MODES),
@@ -96,11 +120,15 @@ def open_session(loaded, choice: AttentionChoice, needed_tokens: int | None):
         raise typer.BadParameter(str(e)) from None
     mode = choice.attention
     if mode == "auto":
-        mode = "dense" if needed_tokens is not None and needed_tokens <= context else "indexpool"
+        fits = auto == "fit" and needed_tokens is not None and needed_tokens <= context
+        mode = "dense" if fits else "indexpool"
     if mode == "dense":
         if needed_tokens is not None and needed_tokens > context:
             raise InputError(f"the input needs {needed_tokens} tokens (prompt + new tokens) but dense attention holds "
                              f"the model's context of {context}; use --attention indexpool (or auto)")
         return Session(loaded.model, min(context, needed_tokens or context))
     indexer = default_indexer(choice, loaded)
-    return Session(loaded.model, needed_tokens or CHAT_CONTEXT, attention=settings, indexer=indexer)
+    session = Session(loaded.model, needed_tokens or CHAT_CONTEXT, attention=settings, indexer=indexer)
+    if needed_tokens is not None:
+        check_memory_budget(session.cache, needed_tokens)
+    return session

@@ -1,1 +1,75 @@
-"""Triton kernels for the IndexPool hot path, each next to a plain torch reference."""
+"""Triton kernels for the IndexPool hot path, each next to a plain torch reference.
+
+Public ops (tensor in, tensor out; each picks its path with `kernel_backend`):
+  - `pool_compress`: pooled index keys from raw keys and gate logits, stored as bf16/fp16 or fp8 + scale;
+  - `index_scores` / `index_topk`: k-pool indexer scores, and the selected token positions per query;
+  - `sparse_attention`: GQA attention over far tokens gathered from an un-rotated history (rotated in the kernel,
+    from `far_rope_tables`) plus the recent window, in one online softmax.
+Each has a `*_reference` twin in plain torch, which is also the CPU path.
+
+Backend: Triton on CUDA devices, torch elsewhere. `INDEXPOOL_KERNELS=auto|torch|triton` forces one; Triton on
+the CPU runs only in Triton's interpreter (`TRITON_INTERPRET=1`, set before Triton is imported), which the tests use.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKEND_VARIABLE = "INDEXPOOL_KERNELS"
+BACKEND_SETTINGS = ("auto", "torch", "triton")
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs its CPU interpreter: the variable is read as Triton reads it (at kernel definition)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+def _triton_imports() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernel_backend(device: torch.device | str) -> str:
+    """"triton" or "torch" for tensors on `device`, from INDEXPOOL_KERNELS (auto: triton on CUDA when it imports)."""
+    setting = os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() or "auto"
+    if setting not in BACKEND_SETTINGS:
+        raise ValueError(f"{BACKEND_VARIABLE}={setting!r} is not one of {', '.join(BACKEND_SETTINGS)}")
+    device = torch.device(device)
+    if setting == "torch":
+        return "torch"
+    if setting == "auto":
+        return "triton" if device.type == "cuda" and _triton_imports() else "torch"
+    if not _triton_imports():
+        raise ValueError(f"{BACKEND_VARIABLE}=triton but Triton does not import: install triton or use "
+                         f"{BACKEND_VARIABLE}=torch")
+    if device.type == "cpu" and not triton_interpreting():
+        raise ValueError(f"{BACKEND_VARIABLE}=triton on the CPU needs TRITON_INTERPRET=1 (Triton compiles for GPUs "
+                         f"only); set it before starting, or use {BACKEND_VARIABLE}=torch")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{BACKEND_VARIABLE}=triton cannot run on a {device.type} device; use "
+                         f"{BACKEND_VARIABLE}=torch")
+    return "triton"
+
+
+def check_launchable(kernel, device: torch.device) -> None:
+    """On the CPU a kernel runs only if it was defined under the interpreter: Triton decides at definition."""
+    if device.type == "cpu" and type(kernel).__name__ != "InterpretedFunction":
+        raise ValueError("the Triton kernels were defined before TRITON_INTERPRET=1 was set: set it before "
+                         f"importing `kernels`, or use {BACKEND_VARIABLE}=torch")
+
+
+from .index_topk import index_scores, index_scores_reference, index_topk, index_topk_reference  # noqa: E402
+from .pool_compress import pool_compress, pool_compress_reference  # noqa: E402
+from .sparse_attention import far_rope_tables, sparse_attention, sparse_attention_reference  # noqa: E402
+
+__all__ = [
+    "kernel_backend", "triton_interpreting",
+    "pool_compress", "pool_compress_reference",
+    "index_scores", "index_scores_reference", "index_topk", "index_topk_reference",
+    "far_rope_tables", "sparse_attention", "sparse_attention_reference",
+]

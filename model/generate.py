@@ -99,11 +99,25 @@ class Session:
     def max_length(self) -> int:
         return self.cache.max_length
 
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """The cache's state for the tokens held (views), to save and `restore` later."""
+        return self.cache.export_state(len(self.tokens))
+
+    def restore(self, tokens: list[int], state: dict[str, torch.Tensor]) -> None:
+        """Hold `tokens` again from a state `export_state` gave for them; ValueError if it does not fit."""
+        if len(tokens) > self.max_length:
+            raise ValueError(f"the saved state holds {len(tokens)} tokens; this session holds {self.max_length}")
+        self.cache.import_state(state)
+        self.tokens = list(tokens)
+
     @torch.inference_mode()
-    def prefill(self, prompt: list[int], on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+    def prefill(self, prompt: list[int], on_progress: Callable[[int, int], None] | None = None,
+                query_tail: bool = True) -> torch.Tensor:
         """Make the cache hold exactly `prompt`, reusing the longest common prefix; returns the last logits (1, V).
 
-        Tokens are fed in segments, so no T x T score matrix is ever built."""
+        Tokens are fed in segments, so no T x T score matrix is ever built. With IndexPool the prompt's last
+        `query_tokens` tokens (where a question is) choose their far tokens one by one; query_tail=False skips
+        that for a prompt that is only a document (faster; a question appended later gets it)."""
         if not prompt:
             raise ValueError("the prompt is empty")
         if len(prompt) > self.max_length:
@@ -116,7 +130,7 @@ class Session:
         keep = self.cache.truncate(keep)
         new = torch.tensor([prompt[keep:]], device=self.device)
         total, logits = new.shape[1], None
-        body = max(0, total - self.query_tokens)
+        body = max(0, total - self.query_tokens) if query_tail else total
         bounds = list(range(0, body, self.segment)) + [body, total]
         for s, e in zip(bounds, bounds[1:]):
             if e > s:

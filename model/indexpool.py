@@ -22,7 +22,7 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value: 0.875 * 2**9
-STORAGE_DTYPES = (torch.bfloat16, torch.float16, FP8_DTYPE)
+STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)  # fp32: exact comparisons in tests
 FP8_SCALE_BYTES = 4  # one fp32 scale per fp8 vector
 
 

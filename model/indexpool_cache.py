@@ -196,8 +196,9 @@ class IndexPoolCache:
         self.inv_freq = inverse_frequencies(config).to(device)
         self.length = 0  # tokens held
         self.selections: dict[int, torch.Tensor] = {}  # far positions chosen by each layer in this forward
-        # Called as on_select(layer, query_positions, far_positions) after each layer's selection (for evidence).
+        # Called as on_select(layer, query_positions, far_positions) after each layer's selection.
         self.on_select: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        self.evidence: AttentionEvidence | None = None  # set to learn where short forwards (a question, an answer) look
 
     def bytes_per_token(self) -> dict[str, float]:
         """Bytes per token over all layers: history K/V, pooled index (amortised over a pool)."""
@@ -222,6 +223,42 @@ class IndexPoolCache:
             self._refill_recent(ws, length)
         self.length = length
         return length
+
+    def export_state(self, length: int) -> dict[str, torch.Tensor]:
+        """What resuming from the `length` tokens held needs (a pool boundary, so there is no raw index tail):
+        history K/V, the pooled index and the recent window as held (rotated; exact even when the history is
+        int8), as views: copy them before writing to this cache again."""
+        if length != self.length:
+            raise ValueError(f"the cache holds {self.length} tokens, not {length}")
+        return self._state_views(length, self.recent_start)
+
+    def import_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Resume from `export_state` of a cache with the same settings; raises ValueError on any mismatch."""
+        n = state["history_k"].shape[1] if "history_k" in state else -1
+        ws = self._window_start(max(n, 0))
+        if n < 0 or n % self.settings.kpool or n > self.max_length or \
+                {k: t.shape for k, t in state.items()} != {k: t.shape for k, t in self._state_views(n, ws).items()}:
+            raise ValueError("the saved cache state does not match this model and these settings")
+        for name, target in self._state_views(n, ws).items():
+            target.copy_(state[name])
+        self.recent_start = ws
+        self.index._n_tokens = [n] * self.config.n_layers
+        self.length = n
+
+    def _state_views(self, n: int, recent_start: int) -> dict[str, torch.Tensor]:
+        """Views of the state of n tokens, with the recent buffer's slot 0 holding position recent_start."""
+        kpool = self.settings.kpool
+        if n % kpool:
+            raise ValueError(f"a cache state is taken at a pool boundary (kpool={kpool}), not after {n} tokens")
+        recent = slice(self._window_start(n) - recent_start, n - recent_start)
+        views = {"history_k": self.store.k[:, :n], "history_v": self.store.v[:, :n],
+                 "pooled_index": self.index._pooled[:, :, : n // kpool],
+                 "recent_k": self.recent_k[:, :, recent], "recent_v": self.recent_v[:, :, recent]}
+        if self.store.quantized:
+            views["history_k_scale"], views["history_v_scale"] = self.store.k_scale[:, :n], self.store.v_scale[:, :n]
+        if self.index._scales is not None:
+            views["pooled_index_scale"] = self.index._scales[:, :, : n // kpool]
+        return views
 
     def _refill_recent(self, start: int, end: int) -> None:
         cos, sin = rope_at(self.inv_freq, torch.arange(start, end, device=self.inv_freq.device))
@@ -271,12 +308,6 @@ class IndexPoolCache:
         # before the window while it fits in topk) and a pool's token offsets.
         self.fixed_positions = torch.arange(self.ws if self.n_far <= s.topk else self.n_sinks, device=device)
         self.pool_offsets = torch.arange(s.kpool, device=device)
-        # Query rows are (query, head of the KV group); a row sees the window keys at positions <= its query's.
-        hidden = torch.arange(self.ws, self.end, device=device)[None, :] > self.positions[:, None]
-        hidden = hidden.repeat_interleave(self.n_heads // self.n_kv_heads, dim=0)
-        self.recent_mask = None
-        if length > 1:
-            self.recent_mask = torch.zeros(hidden.shape, dtype=self.dtype, device=device).masked_fill_(hidden, float("-inf"))
         self.selections = {}
         self.length = self.end
 
@@ -319,16 +350,28 @@ class IndexPoolCache:
         self.recent_k[layer, :, slots] = qk_rot[:, H:].transpose(0, 1)
         self.recent_v[layer, :, slots] = v[0].transpose(0, 1)
 
+        self.layer_now = layer
         far = self._select(layer, x, q)
         self.selections[layer] = far
         if self.on_select is not None:
             self.on_select(layer, self.positions, far)
         n_blocks, block = far.shape[0], self.query_block
-        # Recent window: all T * group query rows of each KV head.
+        # Each part is (output, log-sum-exp) in row order (KV, T * group): the query rows of each KV head.
+        parts = []
         q_rows = q_rot.view(T, KV, group, D).transpose(0, 1).reshape(1, KV, T * group, D)
-        recent = slice(self.ws - self.recent_start, self.end - self.recent_start)
-        out, lse = attention_with_lse(q_rows, self.recent_k[None, layer, :, recent], self.recent_v[None, layer, :, recent],
-                                      self.recent_mask)
+        window_end = self.start if T > 1 else self.end  # a single query sees itself too: no mask needed
+        if window_end > self.ws:  # the recent window before this forward, seen whole by every query
+            window = slice(self.ws - self.recent_start, window_end - self.recent_start)
+            parts.append(attention_with_lse(q_rows, self.recent_k[None, layer, :, window],
+                                            self.recent_v[None, layer, :, window]))
+        if T > 1:
+            # The forward's own tokens, causally: per query head (keys repeated over the group) so that the
+            # kernel's causal mode skips the hidden half instead of adding a mask to every logit.
+            own_k = qk_rot[:, H:].transpose(0, 1).repeat_interleave(group, dim=0)
+            own_v = v[0].transpose(0, 1).repeat_interleave(group, dim=0)
+            own_out, own_lse = attention_with_lse(q_rot.transpose(0, 1)[None], own_k[None], own_v[None], causal=True)
+            parts.append((own_out.view(KV, group, T, D).transpose(1, 2).reshape(1, KV, T * group, D),
+                          own_lse.view(KV, group, T).transpose(1, 2).reshape(1, KV, T * group)))
         if far.shape[1]:
             # Far part: one batch entry per query block, the block's query rows per KV head.
             far_k, far_v = self.store.gather(layer, far)  # (n_blocks, N, KV, D)
@@ -337,30 +380,76 @@ class IndexPoolCache:
             q_blocks = F.pad(q_rot, (0, 0, 0, 0, 0, n_blocks * block - T)).view(n_blocks, block, KV, group, D)
             q_blocks = q_blocks.transpose(1, 2).reshape(n_blocks, KV, block * group, D)
             far_out, far_lse = attention_with_lse(q_blocks, far_k.transpose(1, 2), far_v.transpose(1, 2))
-            # Back to the recent part's row order: (KV, T * group).
-            far_out = far_out.view(n_blocks, KV, block * group, D).transpose(0, 1).reshape(1, KV, -1, D)[:, :, : T * group]
-            far_lse = far_lse.transpose(0, 1).reshape(1, KV, -1)[:, :, : T * group]
-            out = merge_attention(out, lse, far_out, far_lse)
+            parts.append((far_out.view(n_blocks, KV, block * group, D).transpose(0, 1).reshape(1, KV, -1, D)[:, :, : T * group],
+                          far_lse.transpose(0, 1).reshape(1, KV, -1)[:, :, : T * group]))
+        if self.evidence is not None and T <= self.settings.query_tokens:
+            self._add_evidence(parts, q_rows, window_end, far, far_k if far.shape[1] else None,
+                               q_blocks if far.shape[1] else None)
+        out = merge_attention(parts)
         return out.view(KV, T, group, D).transpose(0, 1).reshape(1, T, H * D)
 
+    def _add_evidence(self, parts, q_rows, window_end, far, far_k, q_blocks) -> None:
+        """Each attended token's attention probability, from the logits recomputed against the whole forward's
+        log-sum-exp (short forwards only: a question, an answer token)."""
+        KV, D = self.n_kv_heads, self.head_dim
+        lse = torch.stack([part_lse for _, part_lse in parts]).logsumexp(dim=0)[0]  # (KV, rows)
+        if window_end > self.ws:
+            keys = self.recent_k[self.layer_now, :, self.ws - self.recent_start : window_end - self.recent_start]
+            logits = (q_rows[0].float() @ keys.float().transpose(-1, -2)) * D**-0.5  # (KV, rows, W)
+            positions = torch.arange(self.ws, window_end, device=logits.device)
+            query_positions = self.positions.repeat_interleave(self.n_heads // KV)
+            local = positions[None, :] > query_positions[:, None] - self.evidence.local_band
+            mass = (logits - lse[..., None]).exp().masked_fill_(local, 0).sum(dim=(0, 1))
+            self.evidence.add(positions, mass)
+        if far_k is not None:
+            n_blocks, rows = q_blocks.shape[0], q_blocks.shape[2]
+            # The forward's rows in block order; padded rows get +inf, so they add nothing.
+            lse_blocks = F.pad(lse, (0, n_blocks * rows - lse.shape[1]), value=float("inf"))
+            lse_blocks = lse_blocks.view(KV, n_blocks, rows).transpose(0, 1)
+            logits = (q_blocks.float() @ far_k.float().permute(0, 2, 3, 1)) * D**-0.5  # (n_blocks, KV, rows, N)
+            mass = (logits - lse_blocks[..., None]).exp().sum(dim=(1, 2))  # (n_blocks, N)
+            self.evidence.add(far.flatten(), mass.flatten())
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+
+class AttentionEvidence:
+    """Where queries look inside a span [start, end) of earlier tokens: the attention probability each token of the
+    span gets, summed over the query rows (heads) of short forwards (a question, the tokens of an answer) and over
+    layers. Exact for what the queries attend to (sinks, the selected far tokens, the recent window); a token not
+    selected gets nothing, since the model never saw it."""
+
+    def __init__(self, start: int, end: int, local_band: int = 0):
+        self.start, self.end = start, end
+        self.local_band = local_band  # keys this close before a query are local context, not evidence
+        self.mass = torch.zeros(max(0, end - start))
+
+    def add(self, positions: torch.Tensor, mass: torch.Tensor) -> None:
+        inside = (positions >= self.start) & (positions < self.end)
+        self.mass.index_add_(0, positions[inside] - self.start, mass[inside].float().to(self.mass.device))
+
+    def span_mass(self, start: int, end: int) -> float:
+        return float(self.mass[max(0, start - self.start) : max(0, end - self.start)].sum())
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention (B, heads, L, D) and the fp32 log-sum-exp of its scaled logits (B, heads, L), so that
-    attention over a union of key sets can be merged from its parts. On the CPU, PyTorch's flash kernel returns
-    both; elsewhere this is the plain fp32 reference."""
+    attention over a union of key sets can be merged from its parts. causal: query i sees keys 0..i (L == S).
+    On the CPU, PyTorch's flash kernel returns both; elsewhere this is the plain fp32 reference."""
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal)
         return out, lse
     logits = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
-    if mask is not None:
-        logits = logits + mask.float()
+    if causal:
+        hidden = torch.ones(logits.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        logits = logits.masked_fill(hidden, float("-inf"))
     lse = logits.logsumexp(dim=-1)
     return ((logits - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
 
 
-def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
-    """Attention over the union of two disjoint key sets, from each set's output and log-sum-exp."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    weight_a, weight_b = (lse_a - lse).exp()[..., None], (lse_b - lse).exp()[..., None]
-    return (out_a.float() * weight_a + out_b.float() * weight_b).to(out_a.dtype)
+def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Attention over the union of disjoint key sets, from each set's (output, log-sum-exp)."""
+    if len(parts) == 1:
+        return parts[0][0]
+    lse = torch.stack([part_lse for _, part_lse in parts]).logsumexp(dim=0)
+    out = sum(part_out.float() * (part_lse - lse).exp()[..., None] for part_out, part_lse in parts)
+    return out.to(parts[0][0].dtype)

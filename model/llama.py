@@ -99,6 +99,18 @@ class KVCache(nn.Module):
         """Keep the first `length` tokens; returns how many are kept (all of them: later writes overwrite)."""
         return length
 
+    def export_state(self, length: int) -> dict[str, torch.Tensor]:
+        """The rotated K/V of the first `length` positions, as views."""
+        return {"k": self.k[:, :, :, :length], "v": self.v[:, :, :, :length]}
+
+    def import_state(self, state: dict[str, torch.Tensor]) -> None:
+        n = state["k"].shape[3] if "k" in state else -1
+        if not 0 <= n <= self.max_length or {k: t.shape for k, t in state.items()} != {
+                k: t.shape for k, t in self.export_state(n).items()}:
+            raise ValueError("the saved cache state does not match this model and these settings")
+        for name, target in self.export_state(n).items():
+            target.copy_(state[name])
+
     def begin(self, start: int, length: int) -> None:
         """Positions [start, start+length) come next."""
         if start + length > self.max_length:

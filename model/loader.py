@@ -230,14 +230,23 @@ def open_safetensors(path: Path) -> Callable[[str], torch.Tensor | None]:
     return lookup
 
 
-def _load_hf_dir(path: Path, dtype, device) -> LoadedModel:
+def read_hf_config(path: Path) -> dict:
+    """A Hugging Face model directory's config.json, or a one-line ModelLoadError."""
     config_file = path / "config.json"
     if not config_file.exists():
         raise ModelLoadError(f"{path} has no config.json; give a Hugging Face model directory or a .gguf file")
     try:
-        raw = json.loads(config_file.read_text())
+        return json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from None
+
+
+def _load_hf_dir(path: Path, dtype, device) -> LoadedModel:
+    raw = read_hf_config(path)
+    from .glm5_next_loader import is_glm5_next, load_glm5_next_dir  # the hybrid GLM-5.3-Flash family
+
+    if is_glm5_next(raw):
+        return load_glm5_next_dir(path, dtype, device)
     config = hf_config(raw, path)
     tokenizer = Tokenizer.from_hf_dir(path)
     lookup = open_safetensors(path)

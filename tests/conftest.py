@@ -1,7 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter. The flag must be set before anything imports
+# triton (transformers and our engine do), and triton cannot be re-imported later in the same process.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The package is used from the checkout, not installed: make `import model` work from any working directory.
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -193,6 +193,43 @@ def test_int8_history_stays_close():
     assert (exact - quantized).abs().max() < 0.1
 
 
+@pytest.mark.parametrize("kv_storage, index_dtype", [("bf16", "bf16"), ("int8", "fp8")])
+def test_a_restored_state_continues_exactly_like_the_original(kv_storage, index_dtype):
+    """The document cache's round trip: a state exported after a long prefill (past the context, selection
+    active), restored into a fresh session, gives the same logits for what follows as the session it came from."""
+    model = tiny_model(6)
+    settings = IndexPoolConfig(**SETTINGS, kv_storage=kv_storage, index_dtype=index_dtype)
+    document, question = prompts_for(10, [140])[0], prompts_for(11, [9])[0]
+    original = Session(model, 256, attention=settings)
+    original.prefill(document, query_tail=False)
+    state = {name: t.clone() for name, t in original.export_state().items()}
+    restored = Session(model, 256, attention=settings)
+    restored.restore(document, state)
+    assert restored.cache.length == original.cache.length == 140
+    assert torch.equal(restored.prefill(document + question), original.prefill(document + question))
+    with pytest.raises(ValueError, match="does not match"):
+        Session(model, 256, attention=IndexPoolConfig(**dict(SETTINGS, kpool=2, topk=8))).restore(document, state)
+
+
+def test_evidence_points_at_what_the_queries_attend_to():
+    """AttentionEvidence sums attention probabilities: over a span covering every key a one-token forward
+    attends to (itself included), each query row contributes exactly 1 per layer."""
+    from model.indexpool_cache import AttentionEvidence
+
+    model = tiny_model(7)
+    session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
+    prompt = prompts_for(12, [120])[0]
+    session.prefill(prompt[:-4], query_tail=False)
+    evidence = AttentionEvidence(0, 120)
+    session.cache.evidence = evidence
+    with torch.no_grad():
+        for position in range(116, 120):  # 4 one-token forwards, n_heads query rows each, in every layer
+            model(torch.tensor([[prompt[position]]]), position, session.cache)
+    assert evidence.span_mass(0, 120) == pytest.approx(4 * CONFIG.n_heads * CONFIG.n_layers, rel=1e-3)
+    attended = evidence.mass > 0
+    assert 0 < int(attended.sum()) < 120  # past the context: only sinks, selected pools and the window are seen
+
+
 def test_bytes_per_token_and_memory_parts():
     cache = IndexPoolCache(CONFIG, IndexPoolConfig(**SETTINGS, kv_storage="int8"), TrainingFreeIndexer(CONFIG), 64,
                            torch.float32)

@@ -172,7 +172,7 @@ def test_cache_rejects_overflow_and_bad_dtype():
         cache.append(0, torch.zeros(1, 3, 8), torch.zeros(1, 3, 8))
     assert cache.n_tokens(0) == 6  # the refused append changed nothing
     with pytest.raises(ValueError, match="storage dtype"):
-        PooledIndexCache(torch.zeros(1, 4, 8), max_tokens=8, dtype=torch.float32)
+        PooledIndexCache(torch.zeros(1, 4, 8), max_tokens=8, dtype=torch.float64)
 
 
 def test_few_pools_select_everything_visible():

@@ -1,0 +1,60 @@
+"""The document cache: the same `indexpool ask` twice on a long document, the second restoring the read document.
+
+Writes a document of about `--length` tokens (Python's own documentation, `pydoc_data.topics`), runs the installed
+`indexpool ask ... --json` on it twice with a fresh cache directory, and prints each run's wall time (model load
+included), the time reading (or restoring) the document, the time answering, and the ratio first / second.
+
+    .venv/bin/python benchmarks/doc_cache.py --length 32768 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+INDEXPOOL = Path(sys.executable).parent / "indexpool"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--length", type=int, default=32768, help="document tokens (about)")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+
+    import pydoc_data.topics
+
+    text = "\n\n".join(pydoc_data.topics.topics.values())
+    # About 4 characters per token in this text; repeat it when a longer document is asked for.
+    text = (text * (args.length * 4 // len(text) + 1))[: args.length * 4]
+    with tempfile.TemporaryDirectory() as tmp:
+        doc = Path(tmp) / "manual.txt"
+        doc.write_text(text)
+        command = [str(INDEXPOOL), "ask", str(doc), "What does the pass statement do?", "--json", "--quiet",
+                   "--cache-dir", str(Path(tmp) / "cache"), "-n", "32"]
+        if args.threads:
+            command += ["--threads", str(args.threads)]
+        runs = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            proc = subprocess.run(command, capture_output=True, text=True, check=True)
+            result = json.loads(proc.stdout)
+            runs.append((time.perf_counter() - t0, result))
+        size = sum(p.stat().st_size for p in (Path(tmp) / "cache").glob("*.safetensors"))
+    print(f"document: {runs[0][1]['tokens']['document']:,} tokens; cache entry {size / 2**20:.0f} MiB")
+    print(f"{'run':>6} {'cached':>6} {'wall s':>8} {'read s':>8} {'answer s':>9}")
+    for i, (wall, result) in enumerate(runs, 1):
+        t = result["timings"]
+        print(f"{i:>6} {str(result['cached']):>6} {wall:8.1f} {t['read_seconds']:8.1f} {t['answer_seconds']:9.1f}")
+    print(f"first / second, wall: {runs[0][0] / runs[1][0]:.1f}x; reading the document: "
+          f"{runs[0][1]['timings']['read_seconds'] / max(runs[1][1]['timings']['read_seconds'], 1e-9):.0f}x")
+    same = runs[0][1]["text"] == runs[1][1]["text"]
+    print(f"same answer both times: {same}")
+
+
+if __name__ == "__main__":
+    main()

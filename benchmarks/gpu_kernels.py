@@ -1,0 +1,256 @@
+"""GPU check of the IndexPool Triton kernels (`kernels/`): correctness, then speed against the torch references.
+
+On one GPU (written for an H200, 4.8 TB/s; under 8 minutes):
+  1. runs `pytest tests/test_kernels.py` natively (compiled kernels, no interpreter);
+  2. for contexts of 128K, 512K and 1M tokens, one layer of the default model (SmolLM2-135M: 9 query heads, 3 KV
+     heads of 64; IndexPool kpool 4, topk 2048, sinks 64, window 1024, segment 2048; index keys 32 wide with 4
+     heads for the trained indexer, 192 wide (the training-free key width, scored here with the k-pool ReLU
+     formula and 9 heads) otherwise), times each kernel and its torch reference with CUDA events (median of 20
+     after warm-up, the L2 cache flushed before each run) and prints the time, the bytes the op must move, the
+     achieved bandwidth and its fraction of the GPU's peak, and the reference's time and the ratio.
+
+    .venv/bin/python benchmarks/gpu_kernels.py               # tests, then 128K, 512K, 1M
+    .venv/bin/python benchmarks/gpu_kernels.py --quick       # tests, then 128K only, 10 runs each
+    .venv/bin/python benchmarks/gpu_kernels.py --dry-run     # no GPU: every case on tiny shapes in Triton's
+                                                             # CPU interpreter, outputs checked against the references
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parent.parent
+PEAK_BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s
+FLUSH_BYTES = 256 << 20  # larger than the H200's 50 MB L2
+
+
+@dataclass
+class Shapes:
+    """One attention layer of the default model with the default IndexPool settings."""
+    heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+    kpool: int = 4
+    topk: int = 2048
+    sinks: int = 64
+    window: int = 1024
+    segment: int = 2048
+    query_tokens: int = 64  # forwards this short select per query
+    trained_width: int = 32
+    trained_heads: int = 4
+    free_width: int = 192  # kv_heads * head_dim
+
+
+TINY = Shapes(topk=64, sinks=8, window=32, segment=16, query_tokens=4, trained_width=32, free_width=192)
+
+
+@dataclass
+class Case:
+    name: str
+    kernel: Callable[[], object]
+    reference: Callable[[], object]
+    bytes_moved: int
+    flops: int = 0
+
+
+def pool_cases(context: int, s: Shapes, device: str) -> list[Case]:
+    """Cold start: a whole context of index keys and gate logits compressed into pooled keys in one call."""
+    import torch
+
+    from kernels import pool_compress, pool_compress_reference
+
+    cases = []
+    configs = [("trained d=32 fp32 -> bf16", s.trained_width, torch.float32, torch.bfloat16),
+               ("trained d=32 fp32 -> fp8", s.trained_width, torch.float32, torch.float8_e4m3fn),
+               ("training-free d=192 bf16 -> bf16", s.free_width, torch.bfloat16, torch.bfloat16)]
+    for label, d, in_dtype, out_dtype in configs:
+        keys = torch.randn(1, context, d, device=device).to(in_dtype)
+        gates = torch.randn(1, context, d, device=device).to(in_dtype)
+        ape = torch.randn(s.kpool, d, device=device)
+        n_pools = context // s.kpool
+        moved = 2 * keys.numel() * keys.element_size() + n_pools * d * out_dtype.itemsize
+        moved += n_pools * 4 if out_dtype == torch.float8_e4m3fn else 0
+        cases.append(Case(f"pool_compress {label}",
+                          lambda k=keys, g=gates, a=ape, o=out_dtype: pool_compress(k, g, a, s.kpool, o),
+                          lambda k=keys, g=gates, a=ape, o=out_dtype: pool_compress_reference(k, g, a, s.kpool, o),
+                          moved))
+    return cases
+
+
+def index_cases(context: int, s: Shapes, device: str) -> list[Case]:
+    """Scoring every pool and selecting topk tokens: a decode step (1 query) and a short forward (query_tokens
+    queries, each selecting on its own), at the end of the context."""
+    import torch
+
+    from kernels import index_scores, index_scores_reference, index_topk, index_topk_reference
+    from model.indexpool import fp8_quantize
+
+    n_pools = context // s.kpool
+    cases = []
+    configs = [("trained 4x32 bf16", s.trained_heads, s.trained_width, torch.bfloat16),
+               ("trained 4x32 fp8", s.trained_heads, s.trained_width, torch.float8_e4m3fn),
+               ("width 192 9 heads bf16", s.heads, s.free_width, torch.bfloat16)]
+    for label, heads, d, dtype in configs:
+        pooled = torch.randn(1, n_pools, d, device=device)
+        pooled, scale = fp8_quantize(pooled) if dtype == torch.float8_e4m3fn else (pooled.to(dtype), None)
+        pooled_bytes = pooled.numel() * pooled.element_size() + (scale.numel() * 4 if scale is not None else 0)
+        for n_queries in (1, s.query_tokens):
+            q = torch.randn(1, n_queries, heads, d, device=device)
+            weights = torch.rand(1, n_queries, heads, device=device) * heads**-0.5
+            positions = torch.arange(context - n_queries, context, device=device)
+            args = (q, weights, pooled, positions, s.kpool)
+            scores_bytes = n_queries * n_pools * 4  # written by the scoring, read by the top-k
+            tag = f"{label} T={n_queries}"
+            cases.append(Case(f"index_scores {tag}",
+                              lambda a=args, sc=scale: index_scores(*a, sc),
+                              lambda a=args, sc=scale: index_scores_reference(*a, sc),
+                              pooled_bytes + scores_bytes))
+            cases.append(Case(f"index_topk {tag}",
+                              lambda a=args, sc=scale: index_topk(*a, s.topk, sc),
+                              lambda a=args, sc=scale: index_topk_reference(*a, s.topk, sc),
+                              pooled_bytes + 2 * scores_bytes))
+    return cases
+
+
+def attention_cases(context: int, s: Shapes, device: str) -> list[Case]:
+    """The sparse attention of one layer at the end of the context: a decode step and a prefill segment, far
+    tokens (sinks + topk) gathered from a history of `context` tokens in bf16 or int8."""
+    import torch
+
+    from kernels import far_rope_tables, sparse_attention, sparse_attention_reference
+
+    kv_width = s.kv_heads * s.head_dim
+    inv_freq = 1.0 / (100000.0 ** (torch.arange(0, s.head_dim // 2, dtype=torch.float64, device=device) * 2
+                                   / s.head_dim))
+    stores = {
+        "bf16": (torch.randn(context, kv_width, device=device).bfloat16(),
+                 torch.randn(context, kv_width, device=device).bfloat16(), None, None),
+        "int8": (torch.randint(-127, 128, (context, kv_width), dtype=torch.int8, device=device),
+                 torch.randint(-127, 128, (context, kv_width), dtype=torch.int8, device=device),
+                 torch.rand(context, s.kv_heads, device=device) / 100,
+                 torch.rand(context, s.kv_heads, device=device) / 100),
+    }
+    cases = []
+    for label, n_queries, store in (("decode", 1, "bf16"), ("decode", 1, "int8"), ("segment", s.segment, "bf16")):
+        k_store, v_store, k_scale, v_scale = stores[store]
+        start = context - n_queries
+        window_start = (start - s.window) // s.kpool * s.kpool
+        n_far = s.sinks + s.topk
+        far = torch.randperm(window_start - s.sinks, device=device)[: s.topk].sort().values + s.sinks
+        selected = torch.cat([torch.arange(s.sinks, device=device), far])[None]
+        placed = torch.arange(n_far, device=device) + window_start - n_far
+        window = context - window_start
+        q = torch.randn(n_queries, s.heads, s.head_dim, device=device).bfloat16()
+        window_k = torch.randn(s.kv_heads, window, s.head_dim, device=device).bfloat16()
+        window_v = torch.randn(s.kv_heads, window, s.head_dim, device=device).bfloat16()
+        rope_cos, rope_sin = far_rope_tables(inv_freq, placed)  # once per forward in the engine: not timed
+        args = (q, k_store, v_store, selected, rope_cos, rope_sin, window_k, window_v, start - window_start)
+        options = dict(k_scale=k_scale, v_scale=v_scale)
+        row_bytes = kv_width * k_store.element_size() + (s.kv_heads * 4 if k_scale is not None else 0)
+        moved = (2 * n_far * row_bytes + selected.numel() * 8 + 2 * rope_cos.numel() * 4
+                 + 2 * window_k.numel() * 2 + 2 * q.numel() * 2)
+        visible_keys = n_far + window - n_queries / 2  # the window is causal within the segment
+        flops = int(4 * n_queries * s.heads * visible_keys * s.head_dim)
+        cases.append(Case(f"sparse_attention {label} T={n_queries} {store} history",
+                          lambda a=args, o=options: sparse_attention(*a, **o),
+                          lambda a=args, o=options: sparse_attention_reference(*a, **o), moved, flops))
+    return cases
+
+
+def seconds(fn: Callable[[], object], runs: int) -> float:
+    """Median GPU time of fn (CUDA events) after warm-up, the L2 cache flushed before each run."""
+    import torch
+
+    for _ in range(2):
+        fn()
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def check_same(case: Case, out, expected) -> None:
+    """Kernel and reference agree on shapes and dtypes (values: tests/test_kernels.py)."""
+    out = out if isinstance(out, tuple) else (out,)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    for a, b in zip(out, expected):
+        if (a is None) != (b is None) or (a is not None and (a.shape != b.shape or a.dtype != b.dtype)):
+            raise SystemExit(f"{case.name}: kernel output {tuple(a.shape)} {a.dtype} != reference "
+                             f"{tuple(b.shape)} {b.dtype}")
+
+
+def run(contexts: list[int], shapes: Shapes, device: str, runs: int, dry_run: bool) -> None:
+    import torch
+
+    for context in contexts:
+        print(f"\ncontext {context:,} tokens ({context // shapes.kpool:,} pools), {device}")
+        if not dry_run:
+            print(f"{'op':58} {'kernel us':>10} {'MB moved':>9} {'GB/s':>8} {'of peak':>8} {'TFLOP/s':>8} "
+                  f"{'torch us':>10} {'speed-up':>8}")
+        for build in (pool_cases, index_cases, attention_cases):
+            cases = build(context, shapes, device)
+            for case in cases:
+                check_same(case, case.kernel(), case.reference())
+                if dry_run:
+                    print(f"{case.name:58} runs; shapes and dtypes match the reference")
+                    continue
+                kernel = seconds(case.kernel, runs)
+                reference = seconds(case.reference, runs)
+                bandwidth = case.bytes_moved / kernel
+                tflops = f"{case.flops / kernel / 1e12:8.1f}" if case.flops else f"{'':8}"
+                print(f"{case.name:58} {kernel * 1e6:10.1f} {case.bytes_moved / 1e6:9.1f} {bandwidth / 1e9:8.0f} "
+                      f"{bandwidth / PEAK_BANDWIDTH:8.1%} {tflops} {reference * 1e6:10.1f} "
+                      f"{reference / kernel:7.1f}x", flush=True)
+            del cases
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="128K tokens only, 10 runs per timing")
+    parser.add_argument("--dry-run", action="store_true", help="no GPU: tiny shapes in Triton's CPU interpreter")
+    parser.add_argument("--skip-tests", action="store_true", help="do not run tests/test_kernels.py first")
+    args = parser.parse_args()
+
+    if args.dry_run:  # before Triton is imported: it decides at kernel definition whether to interpret
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["INDEXPOOL_KERNELS"] = "triton"
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    if args.dry_run:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        run([1024], TINY, "cpu", 1, dry_run=True)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run this on a GPU, or use --dry-run to check it on the CPU")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if not args.skip_tests:
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                "tests/test_kernels.py"], cwd=REPO)
+        if tests.returncode:
+            raise SystemExit(f"tests/test_kernels.py failed (exit {tests.returncode}); timings skipped")
+    torch.manual_seed(0)
+    contexts = [128 * 1024] if args.quick else [128 * 1024, 512 * 1024, 1024 * 1024]
+    run(contexts, Shapes(), "cuda", 10 if args.quick else 20, dry_run=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""The document jobs (ask, summarize, complete) over an ingested Document: the prompt around the document, the
+document cache, generation, and the sources an answer rests on.
+
+Every job reads the document first (or restores it from the document cache), then appends its request: the
+document's tokens come before anything a request changes, so the cached state serves every later question.
+Sources come from what the model attended to: while the question and the answer are read and written, the
+attention probability of every token it attends to (sinks aside: the selected far tokens and the recent window) is
+summed over heads and layers (`AttentionEvidence`); the parts holding the most are cited.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from model.indexpool_cache import AttentionEvidence, IndexPoolCache
+
+from .doc_cache import DocumentCache, cache_key
+from .console import InputError
+from .ingest import Document
+
+DOCUMENT_MARK = "\x00DOCUMENT\x00"  # where the document goes in the rendered chat template
+MAX_SOURCES = 3
+SOURCE_SHARE = 0.5  # a part is cited when its evidence is at least this share of the best part's
+EVIDENCE_LOCAL_BAND = 256  # tokens before a query whose attention is local context, not evidence
+EVIDENCE_MIN_DOCUMENT = 1024  # shorter documents: every token may be evidence
+
+SUMMARY_LENGTHS = {  # what the request asks for, and the new tokens it may take
+    "short": ("in three sentences", 160),
+    "medium": ("in one paragraph of about 150 words", 320),
+    "long": ("in about 400 words, section by section", 720),
+}
+
+
+@dataclass
+class DocumentPrompt:
+    ids: list[int]
+    doc_start: int  # token range of the document inside ids
+    doc_end: int
+    part_spans: list[tuple[int, int]]  # token range of each part
+    reusable: int  # leading tokens every request on this document shares (cached)
+
+
+def document_prompt(tokenizer, document: Document, request: str, system: str | None = None,
+                    chat: bool = True, kpool: int = 4) -> DocumentPrompt:
+    """The prompt: the chat template around "<document> + request" (or the raw document then the request). The
+    document is encoded part by part without special tokens, so text in it can never act as a control token."""
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": f"{DOCUMENT_MARK}\n{request}"}]
+        head, tail = tokenizer.render_chat(messages).split(DOCUMENT_MARK)
+        ids = tokenizer.encode(head, allow_special=True)
+        if tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
+            ids.insert(0, tokenizer.bos_id)
+    else:
+        tail = request
+        ids = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+    doc_start = len(ids)
+    spans = []
+    for part in document.parts:
+        start = len(ids)
+        ids += tokenizer.encode(part.text)
+        spans.append((start, len(ids)))
+    doc_end = len(ids)
+    ids += tokenizer.encode(tail, allow_special=chat)
+    return DocumentPrompt(ids, doc_start, doc_end, spans, reusable=doc_end - doc_end % kpool)
+
+
+@dataclass
+class JobResult:
+    text: str
+    sources: list[dict] = field(default_factory=list)
+    prompt_tokens: int = 0
+    document_tokens: int = 0
+    new_tokens: int = 0
+    cached: bool = False  # the document was restored from the document cache
+    read_seconds: float = 0.0  # reading the document (prefill, or restoring it)
+    answer_seconds: float = 0.0  # the request and the generated text
+    stop_reason: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "sources": self.sources,
+                "tokens": {"prompt": self.prompt_tokens, "document": self.document_tokens, "new": self.new_tokens},
+                "cached": self.cached, "stop_reason": self.stop_reason,
+                "timings": {"read_seconds": round(self.read_seconds, 3), "answer_seconds": round(self.answer_seconds, 3)},
+                "notes": self.notes}
+
+
+def session_identity(loaded, session, choice) -> dict:
+    """What, besides the tokens, decides the state a document leaves in the cache."""
+    cache = session.cache
+    identity = {"model": loaded.name, "model_bytes": loaded.file_bytes, "dtype": str(loaded.model.dtype)}
+    if isinstance(cache, IndexPoolCache):
+        settings = cache.settings
+        identity.update(attention="indexpool", kpool=settings.kpool, topk=settings.topk, window=settings.window,
+                        sinks=settings.sinks, segment=settings.segment, index_dtype=settings.index_dtype,
+                        kv_storage=cache.kv_storage, indexer=choice.indexer, indexer_kind=type(cache.indexer).__name__)
+    else:
+        identity.update(attention="dense", segment=session.segment)
+    return identity
+
+
+def read_document(session, prompt: DocumentPrompt, identity: dict, doc_cache: DocumentCache | None,
+                  description: str, warn: Callable[[str], None],
+                  on_progress: Callable[[int, int], None] | None) -> bool:
+    """Make the session hold the document (the prompt's reusable tokens); returns True when restored from cache."""
+    prefix = prompt.ids[: prompt.reusable]
+    if session.tokens[: len(prefix)] == prefix and len(session.tokens) >= len(prefix):
+        return True  # already held: a later question in the same run
+    key = cache_key(identity, prefix) if doc_cache else ""
+    if doc_cache:
+        saved = doc_cache.load(key, warn)
+        if saved is not None:
+            tokens, state = saved
+            try:
+                session.restore(tokens, state)
+                return True
+            except ValueError as e:
+                warn(f"document cache entry does not fit ({e}); reading the document again")
+    session.prefill(prefix, on_progress, query_tail=False)
+    if doc_cache:
+        try:
+            doc_cache.save(key, prefix, session.export_state(), description)
+        except OSError as e:  # a full or read-only disk must not cost the user the answer
+            warn(f"could not save the document cache ({e})")
+    return False
+
+
+def rank_sources(evidence: AttentionEvidence, prompt: DocumentPrompt, document: Document) -> list[dict]:
+    """The parts with the most evidence mass (at least SOURCE_SHARE of the best), best first."""
+    masses = [evidence.span_mass(start, end) for start, end in prompt.part_spans]
+    total = sum(masses)
+    if not total:
+        return []
+    order = sorted(range(len(masses)), key=lambda i: masses[i], reverse=True)
+    best = masses[order[0]]
+    return [{"cite": document.parts[i].cite, "source": document.parts[i].source, "share": round(masses[i] / total, 4)}
+            for i in order[:MAX_SOURCES] if masses[i] >= SOURCE_SHARE * best]
+
+
+def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, sampler, max_new_tokens: int,
+                on_text: Callable[[str], None] | None, cached: bool, read_seconds: float,
+                with_sources: bool = True) -> JobResult:
+    """Append the request to the held document, generate, and collect sources (IndexPool sessions)."""
+    from model.generate import GenerationStats
+
+    cache = session.cache
+    evidence = None
+    if with_sources and isinstance(cache, IndexPoolCache):
+        # The sinks and the last few hundred tokens before a query draw attention whatever is asked: in a document
+        # long enough to have other places to look, they are not evidence.
+        # In a document many windows long, the whole recent window is left out: its exact, unremapped attention
+        # outweighs the far tokens', whatever is asked (benchmarks/grounding.py cited the last part every time).
+        n_doc = prompt.doc_end - prompt.doc_start
+        long_document = n_doc > EVIDENCE_MIN_DOCUMENT
+        band = cache.settings.window if n_doc > 4 * cache.settings.window else EVIDENCE_LOCAL_BAND
+        evidence = AttentionEvidence(max(prompt.doc_start, cache.settings.sinks) if long_document else prompt.doc_start,
+                                     prompt.doc_end, band if long_document else 0)
+        cache.evidence = evidence
+    stats = GenerationStats()
+    decoder = tokenizer.stream_decoder()
+    pieces = []
+    t0 = time.perf_counter()
+    try:
+        for token in session.generate(prompt.ids, sampler, max_new_tokens, tokenizer.stop_ids, stats):
+            piece = decoder.push(token)
+            pieces.append(piece)
+            if piece and on_text:
+                on_text(piece)
+        pieces.append(tail := decoder.flush())
+        if tail and on_text:
+            on_text(tail)
+    finally:
+        if evidence is not None:
+            cache.evidence = None
+    result = JobResult("".join(pieces), prompt_tokens=len(prompt.ids), document_tokens=prompt.doc_end - prompt.doc_start,
+                       new_tokens=stats.new_tokens, cached=cached, read_seconds=read_seconds,
+                       answer_seconds=time.perf_counter() - t0, stop_reason=stats.stop_reason)
+    if evidence is not None:
+        result.sources = rank_sources(evidence, prompt, document)
+    elif with_sources:
+        result.notes.append("no sources with dense attention: they come from the IndexPool indexer")
+    return result
+
+
+def ask_request(question: str) -> str:
+    return f"Answer this question about the document above, briefly and only from the document.\nQuestion: {question}"
+
+
+def summary_request(length: str, focus: str | None) -> str:
+    how = SUMMARY_LENGTHS[length][0]
+    about = f", focusing on {focus}" if focus else ""
+    return f"Summarize the document above {how}{about}."
+
+
+def completion_context(document: Document, file: str, line: int | None) -> str:
+    """Raw text for completing `file` (as listed in the folder) after `line`: the folder's other parts first, then
+    the file's own lines up to `line`, unnumbered, so that the model continues the code itself."""
+    import re
+
+    own = [part for part in document.parts if part.source == file]
+    if not own:
+        listed = sorted({part.source for part in document.parts})
+        raise InputError(f"--file {file} is not among the files read ({len(listed)} files, e.g. "
+                         f"{', '.join(listed[:3])}); give its path relative to the folder")
+    numbered = re.compile(r"^\s*(\d+)\| ?(.*)$")
+    lines = []
+    for part in own:
+        for text_line in part.text.splitlines():
+            match = numbered.match(text_line)
+            if match:
+                lines.append((int(match.group(1)), match.group(2)))
+    if line is not None and line > len(lines):
+        raise InputError(f"--line {line} is past the end of {file} ({len(lines)} lines)")
+    kept = [text for number, text in lines if line is None or number <= line]
+    context = "".join(part.text for part in document.parts if part.source != file)
+    return f"{context}=== {file} ===\n" + "\n".join(kept) + "\n"

@@ -1,0 +1,154 @@
+"""`ask`, `summarize`, `complete --file` and `cache` as a user runs them, on inputs built here: a text file with a
+planted fact, a generated PDF, a small folder, stdin; the document cache (reuse, a damaged entry, list, clear); and
+every kind of bad input with its one-line error and exit code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from doc_fixtures import encrypted_pdf_bytes, pdf_bytes
+from test_cli import assert_error, cli_env, indexpool, ok
+
+FACT = "The access code of the glass tower is 41729."
+QUESTION = "What is the access code of the glass tower?"
+
+
+def prose(n_paragraphs: int) -> str:
+    import pydoc_data.topics
+
+    return "\n\n".join(list(pydoc_data.topics.topics.values())[:n_paragraphs])
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> Path:
+    """About 1,500 tokens of prose with the fact in the middle."""
+    lines = prose(6).split("\n")[:160]
+    lines.insert(80, FACT)
+    path = tmp_path_factory.mktemp("docs") / "report.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("doc-cache")
+
+
+@pytest.fixture(scope="module")
+def first_and_second_ask(report, cache_dir):
+    args = ("ask", str(report), QUESTION, "--json", "--quiet", "--cache-dir", str(cache_dir), "-n", "24")
+    first = json.loads(ok(indexpool(*args)))
+    second = json.loads(ok(indexpool(*args)))
+    return first, second
+
+
+def test_ask_answers_from_the_document_and_cites_the_fact_line(first_and_second_ask, report):
+    first, _ = first_and_second_ask
+    assert "41729" in first["text"]
+    assert first["tokens"]["document"] > 1000 and first["tokens"]["new"] >= 1
+    assert first["sources"], first
+    fact_line = report.read_text().splitlines().index(FACT) + 1
+    start, end = map(int, first["sources"][0]["cite"].rsplit(":", 1)[1].split("-"))
+    assert start <= fact_line <= end, first["sources"]
+
+
+def test_second_ask_restores_the_document_from_the_cache(first_and_second_ask):
+    first, second = first_and_second_ask
+    assert not first["cached"] and second["cached"]
+    assert second["text"] == first["text"]  # the restored state is the state: greedy answers match
+    assert second["sources"] == first["sources"]
+
+
+def test_cache_list_and_clear(first_and_second_ask, cache_dir):
+    listed = [json.loads(line) for line in ok(indexpool("cache", "list", "--json", "--cache-dir", str(cache_dir))).splitlines()]
+    assert len(listed) == 1 and "report.txt" in listed[0]["description"] and listed[0]["bytes"] > 0
+    ok(indexpool("cache", "clear", "--cache-dir", str(cache_dir)))
+    assert ok(indexpool("cache", "list", "--json", "--cache-dir", str(cache_dir))) == ""
+
+
+def test_a_damaged_cache_entry_is_rebuilt_with_a_warning(report, tmp_path):
+    args = ("ask", str(report), QUESTION, "--json", "--cache-dir", str(tmp_path), "-n", "8")
+    first = json.loads(ok(indexpool(*args)))
+    (entry,) = tmp_path.glob("*.safetensors")
+    entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])  # truncated
+    proc = indexpool(*args)
+    again = json.loads(ok(proc))
+    assert "unusable" in proc.stderr.decode() and not again["cached"]
+    assert again["text"] == first["text"]
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1  # rebuilt
+
+
+def test_several_questions_read_the_document_once(report, tmp_path):
+    out = ok(indexpool("ask", str(report), QUESTION, "-Q", "What is the glass tower?", "--json", "--quiet",
+                       "--no-cache", "-n", "8"))
+    results = [json.loads(line) for line in out.splitlines()]
+    assert [r["request"].endswith(q) for r, q in zip(results, (QUESTION, "What is the glass tower?"))] == [True, True]
+    assert results[1]["timings"]["read_seconds"] < results[0]["timings"]["read_seconds"]
+
+
+def test_ask_reads_stdin(report):
+    out = ok(indexpool("ask", "-", QUESTION, "--quiet", "--no-cache", "-n", "24", stdin=report.read_bytes()))
+    assert "41729" in out
+    assert "Sources: stdin:" in out
+
+
+def test_summarize_a_pdf_cites_pages(tmp_path):
+    pages = [[f"Page {n} is about the harbour of town {n}.", "Ships arrive every morning."] for n in range(1, 4)]
+    path = tmp_path / "harbours.pdf"
+    path.write_bytes(pdf_bytes(pages))
+    result = json.loads(ok(indexpool("summarize", str(path), "--length", "short", "--json", "--quiet", "--no-cache",
+                                     "-n", "30")))
+    assert result["text"].strip() and result["tokens"]["new"] >= 1
+    assert result["sources"] and all(s["cite"].startswith(f"{path} p. ") for s in result["sources"])
+
+
+def test_complete_inside_a_file_of_a_folder(tmp_path):
+    (tmp_path / "util.py").write_text("def double(x):\n    return 2 * x\n")
+    (tmp_path / "app.py").write_text("from util import double\n\n\ndef main():\n    print(double(21))\n")
+    proc = indexpool("complete", str(tmp_path), "--file", "app.py", "--line", "4", "--json", "--quiet",
+                     "--temperature", "0", "-n", "6")
+    result = json.loads(ok(proc))
+    assert result["prompt_tokens"] > 20 and result["new_tokens"] >= 1
+    line = assert_error(indexpool("complete", str(tmp_path), "--file", "missing.py", "--quiet"), 3)
+    assert "missing.py" in line
+
+
+def bad_input(kind: str, d: Path) -> Path:
+    """Build one kind of unusable input in d."""
+    if kind == "missing":
+        return d / "nowhere.txt"
+    if kind == "directory":
+        (d / "nothing").mkdir()
+        (d / "nothing" / "x.bin").write_bytes(b"\x00" * 64)
+        return d / "nothing"
+    name, data = {"empty": ("empty.txt", b""), "binary": ("blob.txt", b"\x00\x01\x02" * 500),
+                  "docx": ("letter.docx", b"PK\x03\x04"),
+                  "encrypted": ("locked.pdf", encrypted_pdf_bytes([["secret"]], "pw", "AES-256"))}[kind]
+    (d / name).write_bytes(data)
+    return d / name
+
+
+@pytest.mark.parametrize("kind, expected", [("missing", "no such file"), ("empty", "empty"), ("binary", "binary"),
+                                            ("docx", "not supported"), ("encrypted", "--password"),
+                                            ("directory", "nothing")])
+def test_bad_inputs_give_one_line_and_exit_3(tmp_path, kind, expected):
+    line = assert_error(indexpool("ask", str(bad_input(kind, tmp_path)), "what?", "--quiet", "--no-cache"), 3)
+    assert expected in line, line
+
+
+def test_usage_errors_exit_2(report):
+    for args in (["ask", str(report)], ["ask", str(report), " "], ["summarize", str(report), "--length", "huge"],
+                 ["complete", "text", "--line", "3"]):
+        proc = indexpool(*args, "--quiet")
+        assert proc.returncode == 2, (args, proc.stderr.decode())
+        assert b"Traceback" not in proc.stderr
+
+
+def test_an_input_beyond_the_memory_budget_is_refused(report):
+    proc = indexpool("ask", str(report), QUESTION, "--quiet", "--no-cache",
+                     env=cli_env(INDEXPOOL_MEMORY_LIMIT="1000000"))
+    line = assert_error(proc, 3)
+    assert "GiB" in line and "--offload-dir" in line
