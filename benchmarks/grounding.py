@@ -1,7 +1,8 @@
 """Grounding: does `ask` find planted facts in a long document, cite where they are, and not invent them?
 
 Builds a text document of about `--length` tokens from Python's own documentation (`pydoc_data.topics`) with 10
-facts planted at depths 5% ... 95% ("The access code of the <place> is <5 digits>."), asks one question per fact
+facts of different shapes planted at depths 5% ... 95% (a password, a ship's name, a pier number, a town...), asks one
+question per fact
 with the default `ask` settings (greedy, IndexPool, sources from the indexer), and counts: answers containing the
 right number, answers whose first cited line range holds the fact, and, on the same document without the facts,
 answers that still contain the planted number (invented). One document read, every question asked on it (the
@@ -22,12 +23,41 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-PLACES = ["north warehouse", "harbour office", "glass tower", "old mill", "river station", "west archive",
-          "mountain lab", "city library", "east bakery", "salt mine"]
+# Ten facts of different shapes (a templated set, "the access code of X is N" ten times, mostly measured the model
+# confusing look-alike sentences: 4/10 even with dense attention at 7.5K). {} is filled per seed from the lists.
+FACTS = [
+    ("The secret password of the blue vault is {}.", "What is the secret password of the blue vault?", "number"),
+    ("Captain Ilse Morrow sails a ship called the {}.", "What is the name of Captain Ilse Morrow's ship?", "ship"),
+    ("The Kelp Island ferry leaves from pier number {}.", "From which pier number does the Kelp Island ferry leave?", "small"),
+    ("The chemist Arno Pell was born in the town of {}.", "In which town was the chemist Arno Pell born?", "town"),
+    ("Tickets for the Harbor Jazz Festival cost {} crowns.", "How many crowns does a ticket for the Harbor Jazz Festival cost?", "small"),
+    ("The robot in the museum basement is named {}.", "What is the name of the robot in the museum basement?", "robot"),
+    ("Professor Lin keeps her spare keys inside a {}.", "Where does Professor Lin keep her spare keys?", "object"),
+    ("The winning lottery number last spring was {}.", "What was the winning lottery number last spring?", "number"),
+    ("The mountain village of Ostra mostly grows {}.", "What does the mountain village of Ostra mostly grow?", "crop"),
+    ("The night train to Velden departs at {}.", "At what time does the night train to Velden depart?", "time"),
+]
+VALUES = {
+    "ship": ["Saltwind", "Marigold", "Bluefin", "Stormpetrel", "Quillback"],
+    "town": ["Rennick", "Dovecrest", "Hallowmere", "Tarnby", "Westmoor"],
+    "robot": ["Brassfoot", "Tinker-9", "Olo", "Copperjack", "Mavis"],
+    "object": ["green teapot", "violin case", "hollow book", "tin of biscuits", "flower pot"],
+    "crop": ["saffron", "buckwheat", "lentils", "hops", "chestnuts"],
+}
+
+
+def fact_value(kind: str, rng: random.Random) -> str:
+    if kind == "number":
+        return str(rng.randrange(10000, 99999))
+    if kind == "small":
+        return str(rng.randrange(12, 98))
+    if kind == "time":
+        return f"{rng.randrange(19, 24)}:{rng.choice(['05', '15', '25', '35', '45', '55'])}"
+    return rng.choice(VALUES[kind])
 
 
 def build_document(tokenizer, length: int, seed: int, with_facts: bool) -> tuple[str, list[tuple[str, str, int]]]:
-    """Text of about `length` tokens; the facts as (place, code, line number where planted)."""
+    """Text of about `length` tokens; the facts as (question, answer, line number where planted)."""
     import pydoc_data.topics
 
     rng = random.Random(seed)
@@ -39,14 +69,15 @@ def build_document(tokenizer, length: int, seed: int, with_facts: bool) -> tuple
         if total > length - 400:
             break
         kept.append(line)
-    facts = []
-    for i, place in enumerate(PLACES):
-        code = str(rng.randrange(10000, 99999))
-        facts.append((place, code, int(len(kept) * (0.05 + 0.1 * i))))
+    planted = []
+    for i, (sentence, question, kind) in enumerate(FACTS):
+        value = fact_value(kind, rng)
+        planted.append((sentence.format(value), question, value, int(len(kept) * (0.05 + 0.1 * i))))
     if with_facts:
-        for place, code, at in reversed(facts):  # from the end, so earlier line numbers stay right
-            kept.insert(at, f"The access code of the {place} is {code}.")
-        facts = [(place, code, at + 1 + i) for i, (place, code, at) in enumerate(facts)]  # 1-based, after inserts
+        for sentence, _, _, at in reversed(planted):  # from the end, so earlier line numbers stay right
+            kept.insert(at, sentence)
+    # 1-based line numbers after the inserts
+    facts = [(question, value, at + 1 + i) for i, (_, question, value, at) in enumerate(planted)]
     return "\n".join(kept) + "\n", facts
 
 
@@ -65,20 +96,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--indexer", default="auto")
+    parser.add_argument("--attention", default="auto", help="auto (IndexPool, as ask runs) or dense (up to 8K)")
     parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
                         help="also ask on the document without the facts")
     args = parser.parse_args()
 
     from indexpool_cli.attention import AttentionChoice, open_session
     from indexpool_cli.ingest import load_document
-    from indexpool_cli.jobs import ask_request, document_prompt, read_document, run_request, session_identity
+    from indexpool_cli.jobs import (DocumentTokens, ask_request, document_prompt, read_document, request_messages,
+                                    run_request, session_identity)
     from model.generate import Sampler, SamplingParams
     from model.runtime import load_engine, set_threads
 
     set_threads(args.threads)
     loaded = load_engine(None)
     tok = loaded.tokenizer
-    choice = AttentionChoice(indexer=args.indexer)
+    choice = AttentionChoice(indexer=args.indexer, attention=args.attention)
     runs = [True, False] if args.control else [True]
     for with_facts in runs:
         text, facts = build_document(tok, args.length, args.seed, with_facts)
@@ -86,8 +119,8 @@ def main() -> None:
             path = Path(tmp) / "report.txt"
             path.write_text(text)
             document = load_document([str(path)])
-        prompts = [document_prompt(tok, document, ask_request(f"What is the access code of the {place}?"))
-                   for place, _, _ in facts]
+        doc_tokens = DocumentTokens.encode(tok, document)
+        prompts = [document_prompt(tok, doc_tokens, request_messages(ask_request(question))) for question, _, _ in facts]
         session = open_session(loaded, choice, max(len(p.ids) for p in prompts) + 40, auto="indexpool")
         identity = session_identity(loaded, session, choice)
         t0 = time.perf_counter()
@@ -96,11 +129,11 @@ def main() -> None:
         print(f"\n{'with' if with_facts else 'WITHOUT'} facts: {prompts[0].doc_end - prompts[0].doc_start:,} document "
               f"tokens read in {read_s:.0f}s")
         correct = cited = invented = 0
-        for (place, code, line), prompt in zip(facts, prompts):
+        for (question, code, line), prompt in zip(facts, prompts):
             result = run_request(session, tok, prompt, document, Sampler(SamplingParams(temperature=0)), 40, None,
                                  True, 0.0)
             answer = result.text.strip().replace("\n", " ")
-            hit = code in answer
+            hit = code.lower() in answer.lower()
             first = cited_lines(result.sources[0]["cite"]) if result.sources else None
             where = first is not None and first[0] <= line <= first[1]
             if with_facts:
@@ -109,7 +142,7 @@ def main() -> None:
             else:
                 invented += hit
             shown = "; ".join(s["cite"].rsplit(":", 1)[-1] for s in result.sources)
-            print(f"  {place:16} {code} line {line:5}  {'OK ' if hit else '-- '} {'cite-OK' if where else 'cite--'}"
+            print(f"  {question[:40]:40} {code:>15} line {line:5}  {'OK ' if hit else '-- '} {'cite-OK' if where else 'cite--'}"
                   f"  [{shown}]  {answer[:70]!r}  ({result.answer_seconds:.1f}s)", flush=True)
         if with_facts:
             print(f"answered {correct}/10, first source holds the fact {cited}/10")

@@ -7,6 +7,7 @@ one JSON object per result. Exit codes: 0 ok, 1 runtime error, 2 usage error, 3 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -25,6 +26,7 @@ from .attention import AttentionChoice, attention_options, open_session
 from .console import InputError, err_console, fail, prefill_progress, read_text_input, show_stats
 from .ingest import IngestError
 from .options import option_group
+from .remote import RemoteChoice, RemoteError
 
 app = typer.Typer(
     name="indexpool",
@@ -114,9 +116,9 @@ class DocumentChoice:
         return document
 
     def cache(self):
-        from .doc_cache import DocumentCache
+        from model.tensor_cache import TensorCache, default_cache_dir
 
-        return DocumentCache(self.cache_dir) if self.doc_cache else None
+        return TensorCache(self.cache_dir or default_cache_dir("documents")) if self.doc_cache else None
 
 
 def _load(run: RunChoice):
@@ -133,6 +135,8 @@ def _load(run: RunChoice):
         loaded = load_engine(run.model, run.dtype, decode_weights=run.decode_weights)
     if run.progress:
         err_console.print(f"[dim]{loaded.name} ({loaded.model.dtype}) loaded in {time.perf_counter() - t0:.1f}s[/dim]")
+    for note in getattr(loaded.model, "load_notes", []):
+        _warn(note, run)
     return loaded
 
 
@@ -218,20 +222,39 @@ def complete(
 
 def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, run: RunChoice,
                   sampling: SamplingChoice, attention: AttentionChoice, document: DocumentChoice,
-                  system: str | None = None) -> None:
-    """Read the document once (or restore it from the document cache), then answer each request in turn."""
-    from .jobs import document_prompt, read_document, run_request, session_identity
+                  system: str | None = None, doc=None, loaded=None, remote: RemoteChoice | None = None,
+                  kind: str = "ask") -> None:
+    """Read the document once (or restore it from the document cache), then answer each request in turn.
+    `doc` and `loaded` when the caller has them already; `remote` sends the requests to a server instead."""
+    from .jobs import DocumentTokens, document_prompt, read_document, request_messages, run_request, session_identity
 
-    doc = document.load(paths)
+    doc = doc or document.load(paths)
     for note in doc.notes:
         _warn(note, run)
     if doc.skipped and not run.quiet:
         _warn(f"skipped {len(doc.skipped)} file(s) or folder(s): " + ", ".join(f"{p} ({why})" for p, why in doc.skipped[:5])
               + (" ..." if len(doc.skipped) > 5 else ""), run)
+    if remote is not None and remote.backend == "openai":
+        from types import SimpleNamespace
+
+        from .remote import run_remote_job
+
+        served = SimpleNamespace(name=remote.model_name or remote.base_url)
+
+        def show(i, result):  # in request order, as each completes; the remote path does not stream
+            if i and not run.json_out:
+                sys.stdout.write("\n")
+            if not run.json_out:
+                sys.stdout.write(result.text)
+            _show_result(result, requests[i], served, run)
+
+        run_remote_job(doc, requests, max_new_tokens, remote, sampling.temperature, show, kind)
+        return
     sampler = sampling.sampler()
-    loaded = _load(run)
+    loaded = loaded or _load(run)
     tok = loaded.tokenizer
-    prompts = [document_prompt(tok, doc, request, system, kpool=attention.kpool) for request in requests]
+    doc_tokens = DocumentTokens.encode(tok, doc)
+    prompts = [document_prompt(tok, doc_tokens, request_messages(request, system), attention.kpool) for request in requests]
     needed = max(len(p.ids) for p in prompts) + max_new_tokens
     session = open_session(loaded, attention, needed, auto="indexpool")
     identity = session_identity(loaded, session, attention)
@@ -247,20 +270,25 @@ def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, ru
         on_text = None if run.json_out else _write_stdout
         budget = min(max_new_tokens, session.max_length - len(prompt.ids))
         result = run_request(session, tok, prompt, doc, sampler, budget, on_text, cached, read_seconds)
-        if run.json_out:
-            print(json.dumps({"request": requests[i], "model": loaded.name, **result.to_json()}, ensure_ascii=False), flush=True)
-            continue
-        if not result.text.endswith("\n"):
-            sys.stdout.write("\n")
-        if result.sources:
-            sys.stdout.write("Sources: " + "; ".join(s["cite"] for s in result.sources) + "\n")
-        sys.stdout.flush()
-        for note in result.notes:
-            _warn(note, run)
-        if run.progress:
-            how = "from the document cache" if result.cached else "read"
-            err_console.print(f"[dim]{result.document_tokens:,} document tokens {how} in {result.read_seconds:.1f}s, "
-                              f"{result.new_tokens} new tokens in {result.answer_seconds:.1f}s ({result.stop_reason})[/dim]")
+        _show_result(result, requests[i], loaded, run)
+
+
+def _show_result(result, request: str, loaded, run: RunChoice) -> None:
+    """The end of a document job's result (its text was streamed already unless --json): sources, notes, stats."""
+    if run.json_out:
+        print(json.dumps({"request": request, "model": loaded.name, **result.to_json()}, ensure_ascii=False), flush=True)
+        return
+    if not result.text.endswith("\n"):
+        sys.stdout.write("\n")
+    if result.sources:
+        sys.stdout.write("Sources: " + "; ".join(s["cite"] for s in result.sources) + "\n")
+    sys.stdout.flush()
+    for note in result.notes:
+        _warn(note, run)
+    if run.progress:
+        how = "from the document cache" if result.cached else "read"
+        err_console.print(f"[dim]{result.document_tokens:,} document tokens {how} in {result.read_seconds:.1f}s, "
+                          f"{result.new_tokens} new tokens in {result.answer_seconds:.1f}s ({result.stop_reason})[/dim]")
 
 
 def _write_stdout(text: str) -> None:
@@ -274,9 +302,12 @@ def _warn(message: str, run: RunChoice) -> None:
 
 
 PathsArg = Annotated[list[str], typer.Argument(help="Files, folders, or '-' for stdin.")]
+SUMMARY_STRATEGIES = ("auto", "single", "hierarchical")
+DOCUMENT_CHAT_TOKENS = 65536  # room for a conversation about a document, on top of the document
 
 
 @command
+@option_group(RemoteChoice, "remote")
 @attention_options
 @option_group(DocumentChoice, "document")
 @option_group(SamplingChoice, "sampling", temperature=0.0)
@@ -290,6 +321,7 @@ def ask(
     sampling: SamplingChoice = None,
     attention: AttentionChoice = None,
     document: DocumentChoice = None,
+    remote: RemoteChoice = None,
 ):
     """Answer questions about a document, book, codebase or chat log, citing the pages, lines or messages the
     answer rests on. The whole input is read in one context (IndexPool); a second question on the same input
@@ -301,10 +333,13 @@ def ask(
         raise typer.BadParameter("give a question (after the path, or with --question)")
     if any(not q.strip() for q in asked):
         raise typer.BadParameter("a question is empty")
-    _document_job([path], [ask_request(q) for q in asked], max_new_tokens, run, sampling, attention, document)
+    remote.check()
+    _document_job([path], [ask_request(q) for q in asked], max_new_tokens, run, sampling, attention, document,
+                  remote=remote, kind="ask")
 
 
 @command
+@option_group(RemoteChoice, "remote")
 @attention_options
 @option_group(DocumentChoice, "document")
 @option_group(SamplingChoice, "sampling", temperature=0.0)
@@ -314,39 +349,94 @@ def summarize(
     length: Annotated[str, typer.Option("--length", help="short, medium or long.")] = "medium",
     focus: Annotated[Optional[str], typer.Option("--focus", help="A topic to focus on.")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens to generate (default: by --length).")] = None,
+    strategy: Annotated[str, typer.Option("--strategy", help="single (one pass over the whole text, IndexPool), hierarchical (summaries of sections that fit the model's context, then of those), or auto: single when the document fits the model's context, else hierarchical (benchmarks/summary_coverage.py: the default model's one-pass summaries of longer documents degenerate).")] = "auto",
+    section_tokens: Annotated[Optional[int], typer.Option("--section-tokens", min=64, help="Hierarchical: most tokens per section (default: the model's context less 1024).")] = None,
     run: RunChoice = None,
     sampling: SamplingChoice = None,
     attention: AttentionChoice = None,
     document: DocumentChoice = None,
+    remote: RemoteChoice = None,
 ):
-    """Summarize documents in one pass over the whole text (IndexPool). Several paths are read as one document."""
-    from .jobs import SUMMARY_LENGTHS, summary_request
+    """Summarize documents (several paths are read as one document), citing the pages, lines or sections the
+    summary draws on most."""
+    from .jobs import SECTION_RESERVE, SUMMARY_LENGTHS, summarize_hierarchical, summary_request
 
     if length not in SUMMARY_LENGTHS:
         raise typer.BadParameter(f"--length must be one of {', '.join(SUMMARY_LENGTHS)}, not {length!r}")
-    _document_job(list(paths), [summary_request(length, focus)], max_new_tokens or SUMMARY_LENGTHS[length][1], run,
-                  sampling, attention, document)
+    if strategy not in SUMMARY_STRATEGIES:
+        raise typer.BadParameter(f"--strategy must be one of {', '.join(SUMMARY_STRATEGIES)}, not {strategy!r}")
+    remote.check()
+    request, budget = summary_request(length, focus), max_new_tokens or SUMMARY_LENGTHS[length][1]
+    doc = document.load(list(paths))
+    if remote.backend == "openai":  # the server's context decides one pass or sections
+        _document_job(list(paths), [request], budget, run, sampling, attention, document, doc=doc, remote=remote,
+                      kind="summarize")
+        return
+    loaded = _load(run)
+    if strategy == "auto":  # one pass when the document fits the model's own context, else hierarchical
+        fits = sum(len(loaded.tokenizer.encode(part.text)) for part in doc.parts) <= \
+            loaded.config.context_length - SECTION_RESERVE
+        strategy = "single" if fits else "hierarchical"
+    if strategy == "single":
+        _document_job(list(paths), [request], budget, run, sampling, attention, document, doc=doc, loaded=loaded)
+        return
+    sampler = sampling.sampler()
+    dense = dataclasses.replace(attention, attention="dense")
+    result = summarize_hierarchical(
+        loaded, doc, request, budget, sampler, section_tokens, lambda needed: open_session(loaded, dense, needed),
+        lambda needed: open_session(loaded, attention, needed, auto="indexpool"),
+        on_text=None if run.json_out else _write_stdout,
+        on_section=(lambda i, n: err_console.print(f"[dim]section {i + 1}/{n}[/dim]")) if run.progress else None)
+    _show_result(result, request, loaded, run)
 
 
 @command
 @attention_options
+@option_group(DocumentChoice, "document")
 @option_group(SamplingChoice, "sampling")
 @option_group(RunChoice, "run")
 def chat(
+    paths: Annotated[Optional[list[str]], typer.Argument(help="Files or folders to talk about (read once, kept for the whole conversation).")] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="A system message.")] = None,
     max_new_tokens: MaxNewOpt = 512,
     run: RunChoice = None,
     sampling: SamplingChoice = None,
     attention: AttentionChoice = None,
+    document: DocumentChoice = None,
 ):
     """A minimal interactive chat: one message per line on stdin; /reset starts over, /exit or Ctrl-D ends.
     With IndexPool (the default) a conversation can grow to 128K tokens; with dense attention the oldest exchanges
-    are dropped when it outgrows the model's context."""
+    are dropped when it outgrows the model's context. With PATHS, the conversation is about those documents: they
+    are read once (or restored from the document cache) and every answer cites its sources."""
+    from .jobs import DOCUMENT_MARK, DocumentTokens, document_prompt, read_document, run_request, session_identity
+
+    if paths and "-" in paths:
+        raise typer.BadParameter("chat reads its messages from stdin, so a document cannot come from stdin too")
+    doc = document.load(paths) if paths else None
     sampler = sampling.sampler()
     loaded = _load(run)
     tok = loaded.tokenizer
-    session = open_session(loaded, attention, None)
     base = [{"role": "system", "content": system}] if system else []
+    if doc is None:
+        session = open_session(loaded, attention, None)
+    else:
+        doc_tokens = DocumentTokens.encode(tok, doc)
+        base += [{"role": "user", "content": f"{DOCUMENT_MARK}\nThis is the document we will talk about."},
+                 {"role": "assistant", "content": "I have read it. What would you like to know?"}]
+        prompt = document_prompt(tok, doc_tokens, base, attention.kpool)
+        session = open_session(loaded, attention, len(prompt.ids) + DOCUMENT_CHAT_TOKENS, auto="indexpool")
+        with prefill_progress(prompt.reusable, enabled=run.progress) as on_progress:
+            read_document(session, prompt, session_identity(loaded, session, attention), document.cache(),
+                          f"{', '.join(paths)} ({len(doc_tokens.ids):,} tokens)", lambda m: _warn(m, run), on_progress)
+
+    def encode(conversation):
+        if doc is None:
+            return tok.encode_chat(conversation)
+        return document_prompt(tok, doc_tokens, conversation, attention.kpool)
+
+    def length(encoded) -> int:
+        return len(encoded if doc is None else encoded.ids)
+
     messages = list(base)
     interactive = sys.stdin.isatty()
     while True:
@@ -364,17 +454,29 @@ def chat(
             messages = list(base)
             continue
         messages.append({"role": "user", "content": line})
-        ids = tok.encode_chat(messages)
-        # Drop the oldest exchanges when the conversation no longer fits, keeping room for the reply.
-        while len(ids) + max_new_tokens > session.max_length and len(messages) > len(base) + 1:
+        encoded = encode(messages)
+        # Drop the oldest exchanges (never the document) when the conversation no longer fits, keeping room for
+        # the reply.
+        while length(encoded) + max_new_tokens > session.max_length and len(messages) > len(base) + 1:
             del messages[len(base) : len(base) + 2]
-            ids = tok.encode_chat(messages)
-        if len(ids) >= session.max_length:
-            raise InputError(f"the message has {len(ids)} tokens; the model's context is {session.max_length}")
-        reply, stats = _stream(session, tok, ids, sampler, min(max_new_tokens, session.max_length - len(ids)), run.json_out, quiet=True)
+            encoded = encode(messages)
+        if length(encoded) >= session.max_length:
+            raise InputError(f"the message has {length(encoded)} tokens; the model's context is {session.max_length}")
+        budget = min(max_new_tokens, session.max_length - length(encoded))
+        if doc is None:
+            reply, stats = _stream(session, tok, encoded, sampler, budget, run.json_out, quiet=True)
+            record = {"text": reply, "model": loaded.name, **_stats_json(stats)}
+        else:
+            result = run_request(session, tok, encoded, doc, sampler, budget, None if run.json_out else _write_stdout,
+                                 True, 0.0)
+            reply = result.text
+            record = {"model": loaded.name, **result.to_json(), "fed_tokens": session.last_fed_tokens}
+            if not run.json_out and result.sources:
+                sys.stdout.write(("" if reply.endswith("\n") else "\n") + "Sources: "
+                                 + "; ".join(s["cite"] for s in result.sources))
         messages.append({"role": "assistant", "content": reply})
         if run.json_out:
-            print(json.dumps({"text": reply, "model": loaded.name, **_stats_json(stats)}, ensure_ascii=False), flush=True)
+            print(json.dumps(record, ensure_ascii=False), flush=True)
         else:
             sys.stdout.write("\n")
             sys.stdout.flush()
@@ -388,9 +490,9 @@ CacheDirOpt = Annotated[Optional[Path], typer.Option("--cache-dir", help="Docume
 @cache_app.command("list")
 def cache_list(cache_dir: CacheDirOpt = None, json_out: JsonOpt = False):
     """List cached documents, most recently used first."""
-    from .doc_cache import DocumentCache
+    from model.tensor_cache import TensorCache, default_cache_dir
 
-    cache = DocumentCache(cache_dir)
+    cache = TensorCache(cache_dir or default_cache_dir("documents"))
     entries = cache.entries()
     if json_out:
         for e in entries:
@@ -408,23 +510,34 @@ def cache_list(cache_dir: CacheDirOpt = None, json_out: JsonOpt = False):
 @cache_app.command("clear")
 def cache_clear(cache_dir: CacheDirOpt = None):
     """Delete every cached document."""
-    from .doc_cache import DocumentCache
+    from model.tensor_cache import TensorCache, default_cache_dir
 
-    cache = DocumentCache(cache_dir)
+    cache = TensorCache(cache_dir or default_cache_dir("documents"))
     freed = cache.clear()
     err_console.print(f"freed {freed / 2**20:.1f} MiB in {cache.directory}", markup=False)
 
 
 @command
 @option_group(RunChoice, "run")
-def info(run: RunChoice = None):
-    """Describe the model: size, dtype, threads, context length and cache bytes per token (dense and IndexPool)."""
+def info(
+    config: Annotated[Optional[Path], typer.Option("--config", help="A glm5_next config.json, or the folder holding it: describe that model's cache from the config alone, no weights (e.g. the released GLM-5.3-Flash's).")] = None,
+    tokens: Annotated[str, typer.Option("--tokens", help="Comma-separated context lengths for the cache size table (K = 1024, M = 1024K).")] = "128K,1M",
+    run: RunChoice = None,
+):
+    """Describe the model: size, dtype, threads, context length, cache bytes per token (dense and IndexPool, or
+    glm5_next's own cache) and the cache size at --tokens."""
     import torch
 
     from model.quant import DecodeQuantLinear
 
+    lengths = _token_counts(tokens)
+    if config is not None:
+        if run.model:
+            raise typer.BadParameter("give --model or --config, not both")
+        _print_facts({"config": str(config), **_glm5_next_facts(_read_glm5_next_config(config), torch.bfloat16, lengths)},
+                     run.json_out)
+        return
     loaded = _load(RunChoice(run.model, run.dtype, run.decode_weights, run.threads, run.json_out, quiet=True))
-    json_out = run.json_out
     cfg, m = loaded.config, loaded.model
     params = sum(p.numel() for p in {id(p): p for p in m.parameters()}.values())
     facts = {
@@ -435,6 +548,13 @@ def info(run: RunChoice = None):
         "file_bytes": loaded.file_bytes,
         "dtype": str(m.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
+    }
+    if cfg.arch == "glm5_next":
+        facts |= _glm5_next_facts(cfg, m.dtype, lengths)
+        facts["notes"] = m.load_notes
+        _print_facts(facts, run.json_out)
+        return
+    facts |= {
         "context_length": cfg.context_length,
         "layers": cfg.n_layers,
         "hidden_size": cfg.dim,
@@ -446,13 +566,103 @@ def info(run: RunChoice = None):
         "decode_weights": "+".join(f"int{b}" for b in sorted({q.bits for q in m.modules() if isinstance(q, DecodeQuantLinear)})) or "same as dtype",
     }
     facts.update(_indexpool_bytes(loaded))
+    facts["cache_bytes"] = {str(n): _llama_cache_bytes(facts, n) for n in lengths}
+    _print_facts(facts, run.json_out)
+
+
+def _token_counts(text: str) -> list[int]:
+    units = {"k": 1024, "m": 1024**2}
+    try:
+        counts = [int(t[:-1]) * units[t[-1].lower()] if t[-1:].lower() in units else int(t)
+                  for t in text.replace(" ", "").split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise typer.BadParameter(f"--tokens takes token counts like 131072,1M, not {text!r}")
+    return counts
+
+
+def _print_facts(facts: dict, json_out: bool) -> None:
+    """One JSON object, or a line per fact, a line per note and a line per row of the cache size table."""
     if json_out:
         print(json.dumps(facts))
         return
     width = max(map(len, facts))
     for key, value in facts.items():
-        shown = f"{value:,}" if isinstance(value, int) and key not in ("threads",) else value
-        print(f"{key.replace('_', ' '):<{width}}  {shown}")
+        if key == "cache_bytes":
+            for n, parts in value.items():
+                shown = ", ".join(f"{part.replace('_', ' ')} {_gib(b)}" for part, b in parts.items())
+                print(f"{f'cache at {int(n):,} tokens':<{width}}  {shown}")
+        elif key == "notes":
+            for note in value:
+                print(f"{'note':<{width}}  {note}")
+        else:
+            shown = f"{value:,}" if isinstance(value, int) and key not in ("threads",) else value
+            print(f"{key.replace('_', ' '):<{width}}  {shown}")
+
+
+def _gib(n_bytes: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n_bytes >= size:
+            return f"{n_bytes / size:,.2f} {unit}"
+    return f"{n_bytes:,} bytes"
+
+
+def _llama_cache_bytes(facts: dict, n: int) -> dict:
+    """Dense K/V, and IndexPool's cache (history K/V, pooled index and its fixed buffers) per storage choice."""
+    sizes = {"dense_kv": facts["kv_cache_bytes_per_token"] * n}
+    if "indexpool_fixed_bytes" in facts:
+        for kv_storage, index_dtype in (("bf16", "bf16"), ("int8", "fp8")):
+            per_token = (facts[f"indexpool_history_kv_{kv_storage}_bytes_per_token"]
+                         + facts[f"indexpool_pooled_index_{index_dtype}_bytes_per_token"])
+            sizes[f"indexpool_{kv_storage}_{index_dtype}"] = round(n * per_token + facts["indexpool_fixed_bytes"])
+    return sizes
+
+
+def _read_glm5_next_config(path: Path):
+    from model.glm5_next import Glm5NextConfig
+
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        return Glm5NextConfig.from_hf(json.loads(file.read_text()))
+    except (OSError, ValueError, AttributeError) as e:  # AttributeError: JSON that is not an object
+        raise InputError(f"{file}: not a glm5_next config ({type(e).__name__}: {e})") from None
+
+
+def _glm5_next_facts(cfg, dtype, lengths: list[int]) -> dict:
+    """glm5_next's shape and cache, as this engine stores it (MLA latents in `dtype`, pooled indexer keys in bf16):
+    per token, the latents of every MLA layer and one pooled key per kpool tokens of every indexer layer; per
+    sequence, a fixed state (KDA recurrent and conv states, indexer tails); and the total at each length."""
+    import torch
+
+    from model.glm5_next import cache_size
+    from model.indexpool import FP8_DTYPE
+
+    kpool = cfg.index_kpool
+    one_pool, one_pool_fp8 = cache_size(cfg, kpool, dtype), cache_size(cfg, kpool, dtype, FP8_DTYPE)
+    facts = {
+        "architecture": cfg.arch,
+        "context_length": cfg.context_length,
+        "layers": cfg.n_layers,
+        "kda_layers": len(cfg.kda_layers),
+        "mla_layers": len(cfg.mla_layers),
+        "indexer_layers": len(cfg.indexer_layers),
+        "mtp_layers": cfg.num_nextn_predict_layers,
+        "hidden_size": cfg.hidden_size,
+        "heads": cfg.num_attention_heads,
+        "vocab_size": cfg.vocab_size,
+        "index_kpool": kpool,
+        "index_topk": cfg.index_topk,
+        "cache_dtype": str(dtype).removeprefix("torch."),
+        "mla_latent_bytes_per_token": one_pool.latent_bytes // kpool,
+        "pooled_index_bf16_bytes_per_token": one_pool.index_bytes / kpool,
+        "pooled_index_fp8_bytes_per_token": one_pool_fp8.index_bytes / kpool,
+        "fixed_state_bytes": one_pool.fixed_bytes,
+    }
+    sizes = {str(n): cache_size(cfg, n, dtype, torch.bfloat16) for n in lengths}
+    facts["cache_bytes"] = {n: {"mla_latent": s.latent_bytes, "pooled_index": s.index_bytes,
+                                "fixed_state": s.fixed_bytes, "total": s.total_bytes} for n, s in sizes.items()}
+    return facts
 
 
 def _indexpool_bytes(loaded) -> dict:
@@ -508,9 +718,20 @@ command(distill)
 
 
 def main() -> None:
+    import typer.main
+
+    from .settings import ConfigError, default_map
+
     try:
-        app()
+        group = typer.main.get_command(app)
+        try:
+            defaults = default_map(group)
+        except ConfigError as e:
+            fail(str(e), code=2)
+        group.main(prog_name="indexpool", default_map=defaults, auto_envvar_prefix="INDEXPOOL")
     except (ModelLoadError, InputError, IngestError) as e:
         fail(str(e), code=3)
+    except RemoteError as e:
+        fail(str(e), code=1)
     except Exception as e:  # anything else is our bug or the machine's; still one line, no traceback
         fail(f"{type(e).__name__}: {e}", code=1)

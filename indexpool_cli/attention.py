@@ -112,6 +112,8 @@ def open_session(loaded, choice: AttentionChoice, needed_tokens: int | None, aut
                                  ("--kv-storage", choice.kv_storage, KV_STORAGE)):
         if value not in allowed:
             raise typer.BadParameter(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+    if loaded.config.arch == "glm5_next":
+        return native_sparse_session(loaded, choice, needed_tokens)
     context = loaded.config.context_length
     settings = choice.settings()
     try:  # the knobs are checked even when this input ends up dense
@@ -132,3 +134,25 @@ def open_session(loaded, choice: AttentionChoice, needed_tokens: int | None, aut
     if needed_tokens is not None:
         check_memory_budget(session.cache, needed_tokens)
     return session
+
+
+def native_sparse_session(loaded, choice: AttentionChoice, needed_tokens: int | None):
+    """A session of a model with its own sparse attention (glm5_next: the DSA indexer over MLA latents), which
+    --attention auto and dense both run; IndexPool's settings do not apply to it."""
+    from model.generate import Session
+    from model.glm5_next import cache_size
+
+    if choice.attention == "indexpool":
+        raise typer.BadParameter(f"{loaded.config.arch} models have their own DSA indexer, which --attention auto "
+                                 "and dense run; IndexPool does not apply to them")
+    context = loaded.config.context_length
+    if needed_tokens is not None and needed_tokens > context:
+        raise InputError(f"the input needs {needed_tokens} tokens (prompt + new tokens); the model's context is "
+                         f"{context}")
+    length = min(context, needed_tokens or CHAT_CONTEXT)
+    needed = cache_size(loaded.config, length, loaded.model.dtype).total_bytes
+    available = available_memory_bytes()
+    if available is not None and needed > 0.9 * available:
+        raise InputError(f"the input needs {length:,} tokens of cache, about {needed / 2**30:.1f} GiB, more than the "
+                         f"{available / 2**30:.1f} GiB of memory available; read less (--pages, a smaller folder)")
+    return Session(loaded.model, length)

@@ -16,9 +16,9 @@ from typing import Callable
 
 from model.indexpool_cache import AttentionEvidence, IndexPoolCache
 
-from .doc_cache import DocumentCache, cache_key
+from model.tensor_cache import TensorCache, cache_key
 from .console import InputError
-from .ingest import Document
+from .ingest import Document, Part
 
 DOCUMENT_MARK = "\x00DOCUMENT\x00"  # where the document goes in the rendered chat template
 MAX_SOURCES = 3
@@ -34,6 +34,23 @@ SUMMARY_LENGTHS = {  # what the request asks for, and the new tokens it may take
 
 
 @dataclass
+class DocumentTokens:
+    """A document encoded part by part, without special tokens (text in it can never act as a control token)."""
+
+    ids: list[int]
+    part_spans: list[tuple[int, int]]  # token range of each part within ids
+
+    @classmethod
+    def encode(cls, tokenizer, document: Document) -> DocumentTokens:
+        ids, spans = [], []
+        for part in document.parts:
+            start = len(ids)
+            ids += tokenizer.encode(part.text)
+            spans.append((start, len(ids)))
+        return cls(ids, spans)
+
+
+@dataclass
 class DocumentPrompt:
     ids: list[int]
     doc_start: int  # token range of the document inside ids
@@ -42,28 +59,23 @@ class DocumentPrompt:
     reusable: int  # leading tokens every request on this document shares (cached)
 
 
-def document_prompt(tokenizer, document: Document, request: str, system: str | None = None,
-                    chat: bool = True, kpool: int = 4) -> DocumentPrompt:
-    """The prompt: the chat template around "<document> + request" (or the raw document then the request). The
-    document is encoded part by part without special tokens, so text in it can never act as a control token."""
-    if chat:
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": f"{DOCUMENT_MARK}\n{request}"}]
-        head, tail = tokenizer.render_chat(messages).split(DOCUMENT_MARK)
-        ids = tokenizer.encode(head, allow_special=True)
-        if tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
-            ids.insert(0, tokenizer.bos_id)
-    else:
-        tail = request
-        ids = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+def request_messages(request: str, system: str | None = None) -> list[dict]:
+    """One user turn: the document, then the request."""
+    return ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": f"{DOCUMENT_MARK}\n{request}"}]
+
+
+def document_prompt(tokenizer, document: DocumentTokens, messages: list[dict], kpool: int = 4) -> DocumentPrompt:
+    """The chat template around `messages`, one of which holds DOCUMENT_MARK where the document goes."""
+    head, tail = tokenizer.render_chat(messages).split(DOCUMENT_MARK)
+    ids = tokenizer.encode(head, allow_special=True)
+    if tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
+        ids.insert(0, tokenizer.bos_id)
     doc_start = len(ids)
-    spans = []
-    for part in document.parts:
-        start = len(ids)
-        ids += tokenizer.encode(part.text)
-        spans.append((start, len(ids)))
+    spans = [(doc_start + start, doc_start + end) for start, end in document.part_spans]
+    ids += document.ids
     doc_end = len(ids)
-    ids += tokenizer.encode(tail, allow_special=chat)
+    ids += tokenizer.encode(tail, allow_special=True)
     return DocumentPrompt(ids, doc_start, doc_end, spans, reusable=doc_end - doc_end % kpool)
 
 
@@ -102,7 +114,7 @@ def session_identity(loaded, session, choice) -> dict:
     return identity
 
 
-def read_document(session, prompt: DocumentPrompt, identity: dict, doc_cache: DocumentCache | None,
+def read_document(session, prompt: DocumentPrompt, identity: dict, doc_cache: TensorCache | None,
                   description: str, warn: Callable[[str], None],
                   on_progress: Callable[[int, int], None] | None) -> bool:
     """Make the session hold the document (the prompt's reusable tokens); returns True when restored from cache."""
@@ -149,10 +161,10 @@ def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, 
     cache = session.cache
     evidence = None
     if with_sources and isinstance(cache, IndexPoolCache):
-        # The sinks and the last few hundred tokens before a query draw attention whatever is asked: in a document
-        # long enough to have other places to look, they are not evidence.
-        # In a document many windows long, the whole recent window is left out: its exact, unremapped attention
-        # outweighs the far tokens', whatever is asked (benchmarks/grounding.py cited the last part every time).
+        # The sinks and the last tokens before a query draw attention whatever is asked: in a document long enough
+        # to have other places to look, they are not evidence. In one many windows long the whole recent window is
+        # left out: its exact, unremapped attention outweighs the far tokens' (benchmarks/grounding.py cited the
+        # document's last part every time).
         n_doc = prompt.doc_end - prompt.doc_start
         long_document = n_doc > EVIDENCE_MIN_DOCUMENT
         band = cache.settings.window if n_doc > 4 * cache.settings.window else EVIDENCE_LOCAL_BAND
@@ -181,12 +193,13 @@ def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, 
     if evidence is not None:
         result.sources = rank_sources(evidence, prompt, document)
     elif with_sources:
-        result.notes.append("no sources with dense attention: they come from the IndexPool indexer")
+        result.notes.append("no sources: they come from IndexPool attention (this run used the model's own "
+                            "attention; --attention indexpool gives them on llama-family models)")
     return result
 
 
 def ask_request(question: str) -> str:
-    return f"Answer this question about the document above, briefly and only from the document.\nQuestion: {question}"
+    return f"Question: {question}\nAnswer in one short sentence, with the exact words of the document above."
 
 
 def summary_request(length: str, focus: str | None) -> str:
@@ -217,3 +230,63 @@ def completion_context(document: Document, file: str, line: int | None) -> str:
     kept = [text for number, text in lines if line is None or number <= line]
     context = "".join(part.text for part in document.parts if part.source != file)
     return f"{context}=== {file} ===\n" + "\n".join(kept) + "\n"
+
+
+def split_sections(document: Document, count_tokens: Callable[[str], int], max_tokens: int) -> list[Document]:
+    """Consecutive runs of parts of at most `max_tokens` each (a part longer than that is a section of its own),
+    for hierarchical summaries: each section is summarized alone, then the summaries together."""
+    sections: list[Document] = []
+    current: list = []
+    size = 0
+    for part in document.parts:
+        n = count_tokens(part.text)
+        if current and size + n > max_tokens:
+            sections.append(Document(current, [], []))
+            current, size = [], 0
+        current.append(part)
+        size += n
+    if current:
+        sections.append(Document(current, [], []))
+    return sections
+
+
+SECTION_RESERVE = 1024  # tokens of a section-summary prompt kept for the template, the request and the summary
+SECTION_SUMMARY_TOKENS = 200
+
+
+def summarize_hierarchical(loaded, document: Document, final_request: str, max_new_tokens: int, sampler,
+                           section_tokens: int | None, open_dense, open_final, on_text: Callable[[str], None] | None = None,
+                           on_section: Callable[[int, int], None] | None = None) -> JobResult:
+    """Summaries of sections that each fit the model's context (dense attention), then a summary of those
+    summaries, which cites the sections. `open_dense(needed)` / `open_final(needed)` open the sessions."""
+    tok = loaded.tokenizer
+    budget = min(section_tokens or loaded.config.context_length, loaded.config.context_length - SECTION_RESERVE)
+    counted = []  # tokens of each part, as split_sections counts them
+
+    def count(text: str) -> int:
+        counted.append(len(tok.encode(text)))
+        return counted[-1]
+
+    sections = split_sections(document, count, budget)
+    t0 = time.perf_counter()
+    section_session = open_dense(loaded.config.context_length)
+    summary_parts = []
+    for i, section in enumerate(sections):
+        if on_section:
+            on_section(i, len(sections))
+        prompt = document_prompt(tok, DocumentTokens.encode(tok, section), request_messages(summary_request("short", None)))
+        summary = run_request(section_session, tok, prompt, section, sampler, SECTION_SUMMARY_TOKENS, None, False, 0.0,
+                              with_sources=False).text.strip()
+        first, last = section.parts[0].cite, section.parts[-1].cite
+        cite = first if first == last else f"{first} to {last}"
+        summary_parts.append(Part(f"[{cite}]\n{summary}\n\n", section.parts[0].source, cite))
+    summaries = Document(summary_parts, [], [])
+    tokens = DocumentTokens.encode(tok, summaries)
+    prompt = document_prompt(tok, tokens, request_messages(final_request))
+    final_session = open_final(len(prompt.ids) + max_new_tokens)
+    final_session.prefill(prompt.ids[: prompt.reusable], query_tail=False)
+    read_seconds = time.perf_counter() - t0
+    result = run_request(final_session, tok, prompt, summaries, sampler, max_new_tokens, on_text, False, read_seconds)
+    result.document_tokens = sum(counted)
+    result.notes.append(f"hierarchical: {len(sections)} sections summarized, then their summaries")
+    return result

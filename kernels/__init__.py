@@ -13,6 +13,7 @@ the CPU runs only in Triton's interpreter (`TRITON_INTERPRET=1`, set before Trit
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -63,13 +64,25 @@ def check_launchable(kernel, device: torch.device) -> None:
                          f"importing `kernels`, or use {BACKEND_VARIABLE}=torch")
 
 
-from .index_topk import index_scores, index_scores_reference, index_topk, index_topk_reference  # noqa: E402
-from .pool_compress import pool_compress, pool_compress_reference  # noqa: E402
-from .sparse_attention import far_rope_tables, sparse_attention, sparse_attention_reference  # noqa: E402
+# The ops load on first use, so that choosing the torch path (kernel_backend) never imports Triton: a CPU run
+# stays free of its import time and of its TRITON_INTERPRET-at-import rule. All op modules load together, so that
+# each op's name is bound to the function, not to the module of the same name (pool_compress, sparse_attention).
+_OP_MODULES = {
+    "pool_compress": "pool_compress", "pool_compress_reference": "pool_compress",
+    "index_scores": "index_topk", "index_scores_reference": "index_topk",
+    "index_topk": "index_topk", "index_topk_reference": "index_topk",
+    "far_rope_tables": "sparse_attention", "sparse_attention": "sparse_attention",
+    "sparse_attention_reference": "sparse_attention",
+}
 
-__all__ = [
-    "kernel_backend", "triton_interpreting",
-    "pool_compress", "pool_compress_reference",
-    "index_scores", "index_scores_reference", "index_topk", "index_topk_reference",
-    "far_rope_tables", "sparse_attention", "sparse_attention_reference",
-]
+
+def __getattr__(name: str):
+    if name not in _OP_MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    modules = {module: importlib.import_module(f"{__name__}.{module}") for module in set(_OP_MODULES.values())}
+    for op, module in _OP_MODULES.items():
+        globals()[op] = getattr(modules[module], op)
+    return globals()[name]
+
+
+__all__ = ["kernel_backend", "triton_interpreting", *_OP_MODULES]

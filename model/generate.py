@@ -85,6 +85,7 @@ class Session:
         self.model = model
         self.device = model.tok_embeddings.weight.device
         self.tokens: list[int] = []
+        self.last_fed_tokens = 0
         self.cache: KVCache | IndexPoolCache
         if attention is None:
             self.cache = model.new_cache(max_length)
@@ -128,6 +129,7 @@ class Session:
                 break
             keep += 1
         keep = self.cache.truncate(keep)
+        self.last_fed_tokens = len(prompt) - keep  # what this call read (the rest was held already)
         new = torch.tensor([prompt[keep:]], device=self.device)
         total, logits = new.shape[1], None
         body = max(0, total - self.query_tokens) if query_tail else total

@@ -136,6 +136,10 @@ class Glm5NextConfig:
 
     # Names the rest of the engine reads from a model config.
     @property
+    def arch(self) -> str:
+        return "glm5_next"
+
+    @property
     def n_layers(self) -> int:
         return self.num_hidden_layers
 
@@ -342,7 +346,8 @@ class Glm5NextCache:
     Tokens are appended in order: `begin(start, n)` needs start == the tokens held. `truncate(n)` cannot undo a
     recurrent update in general, so it starts over (returns 0) unless the cache is `rewindable` and n falls within
     its last forward of at most DECODE_MAX_TOKENS tokens (a rejected speculative draft): then that forward's
-    per-token states are restored.
+    per-token states are restored. It also goes back to the length of the last `export_state` / `import_state`
+    (a document already read, before the next request on it), whose fixed-size state is kept for that.
     """
 
     def __init__(self, config: Glm5NextConfig, layer_types: list[str], indexer_ape: list[torch.Tensor],
@@ -367,6 +372,7 @@ class Glm5NextCache:
         self.length = 0
         self.selected: dict[int, torch.Tensor] = {}  # this forward's token selection, by indexer layer
         self._undo: dict | None = None
+        self._resume: tuple[int, dict[str, torch.Tensor]] | None = None  # (length, fixed-size state) to go back to
 
     # -- the forward protocol
     def begin(self, start: int, length: int) -> None:
@@ -415,13 +421,68 @@ class Glm5NextCache:
             self._undo["index"][slot] += [keys.float(), gate_logits.float()]
         self.index.append(slot, keys, gate_logits)
 
+    # -- saved state
+    def export_state(self, length: int) -> dict[str, torch.Tensor]:
+        """What resuming from the `length` tokens held needs: KDA recurrent and conv states, the MLA latents, the
+        pooled indexer keys and the unfinished pool's raw keys and gate logits, as views: copy them before
+        writing to this cache again. The fixed-size part is also kept here, so `truncate(length)` can come back."""
+        if length != self.length:
+            raise ValueError(f"the cache holds {self.length} tokens, not {length}")
+        views = self._state_views(length)
+        self._keep_resume_point(views)
+        return views
+
+    def import_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Resume from `export_state` of a cache of the same model and settings; raises ValueError on a mismatch."""
+        n = state["mla_latents"].shape[2] if "mla_latents" in state else -1
+        if not 0 <= n <= self.max_length or {k: (t.shape, t.dtype) for k, t in state.items()} != \
+                {k: (t.shape, t.dtype) for k, t in self._state_views(n).items()}:
+            raise ValueError("the saved cache state does not match this model and these settings")
+        views = self._state_views(n)
+        for name, target in views.items():
+            target.copy_(state[name])
+        if self.index is not None:
+            self.index._n_tokens = [n] * self.index.n_layers
+        self.length, self.selected, self._undo = n, {}, None
+        self._keep_resume_point(views)
+
+    def _state_views(self, n: int) -> dict[str, torch.Tensor]:
+        views = {"kda_recurrent": self.recurrent, "kda_conv": self.conv, "mla_latents": self.latents[:, :, :n]}
+        if self.index is not None:
+            kpool = self.index.kpool
+            views["pooled_index"] = self.index._pooled[:, :, :n // kpool]
+            if self.index._scales is not None:
+                views["pooled_index_scale"] = self.index._scales[:, :, :n // kpool]
+            views["index_tail_keys"] = self.index._tail_keys[:, :, :n % kpool]
+            views["index_tail_gates"] = self.index._tail_gates[:, :, :n % kpool]
+        return views
+
+    def _keep_resume_point(self, views: dict[str, torch.Tensor]) -> None:
+        """Copies of the state that later tokens overwrite (all but the latents and pools, which only grow)."""
+        fixed = ("kda_recurrent", "kda_conv", "index_tail_keys", "index_tail_gates")
+        self._resume = self.length, {name: views[name].clone() for name in fixed if name in views}
+
+    def _go_to_resume_point(self) -> int:
+        n, saved = self._resume
+        self.recurrent.copy_(saved["kda_recurrent"])
+        self.conv.copy_(saved["kda_conv"])
+        if self.index is not None:
+            self.index.truncate(n // self.index.kpool * self.index.kpool)
+            for slot in range(self.index.n_layers):
+                self.index.append(slot, saved["index_tail_keys"][slot], saved["index_tail_gates"][slot])
+        self.length, self._undo = n, None
+        return n
+
     # -- size and rewind
     def truncate(self, n_tokens: int) -> int:
-        """Keep the first n_tokens if the state for them can be restored; returns how many are kept."""
+        """Keep the first n_tokens if the state for them can be restored, else as many as can be (the resume
+        point, or none); returns how many are kept."""
         if n_tokens >= self.length:
             return self.length
         undo = self._undo
         if undo is None or n_tokens < undo["start"]:
+            if self._resume is not None and self._resume[0] <= n_tokens:
+                return self._go_to_resume_point()
             self.reset()
             return 0
         step = n_tokens - undo["start"]
@@ -439,6 +500,8 @@ class Glm5NextCache:
                 self.index.append(slot, raw_keys[:, kept], raw_gates[:, kept])
         self.length = n_tokens
         self._undo = None
+        if self._resume is not None and self._resume[0] > n_tokens:  # its tokens are no longer all held
+            self._resume = None
         return n_tokens
 
     def reset(self) -> None:
@@ -447,7 +510,7 @@ class Glm5NextCache:
         if self.index is not None:
             self.index.truncate(0)
         self.length = 0
-        self._undo = None
+        self._undo = self._resume = None
 
     def bytes_per_token(self) -> float:
         """Storage that grows with the context, per token and sequence: the MLA latents of every MLA layer plus

@@ -10,8 +10,10 @@ layer `num_hidden_layers`. The vision tower is not loaded: the engine runs text 
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
+
 import torch
 
 from .errors import ModelLoadError
@@ -165,6 +167,22 @@ def load_glm5_next_dir(path: Path, dtype: torch.dtype, device: str | torch.devic
 
     model, raw, bits = _load(path, dtype, device, with_mtp=True)
     tokenizer = Tokenizer.from_hf_dir(path)
+    tokenizer.stop_ids |= generation_stop_ids(path)
     size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     return LoadedModel(model, tokenizer, model.config, path, raw.get("_name_or_path") or path.name, size, bits)
 
+
+def generation_stop_ids(path: Path) -> frozenset[int]:
+    """The `eos_token_id`s of generation_config.json: GLM chat models end a reply with the next turn's marker
+    (`<|user|>`, `<|observation|>`), listed there beside `<|endoftext|>`, not in the tokenizer files."""
+    config_file = path / "generation_config.json"
+    if not config_file.exists():
+        return frozenset()
+    try:
+        ids = json.loads(config_file.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelLoadError(f"{config_file}: cannot read it ({type(e).__name__}: {e})") from None
+    ids = [ids] if isinstance(ids, int) else ids or []
+    if not all(isinstance(i, int) for i in ids):
+        raise ModelLoadError(f"{config_file}: eos_token_id must be a token id or a list of them, not {ids!r}")
+    return frozenset(ids)

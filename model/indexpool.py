@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels import kernel_backend
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value: 0.875 * 2**9
 STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)  # fp32: exact comparisons in tests
@@ -78,6 +80,8 @@ class PooledIndexCache:
 
     Token counts are per layer, because within one forward step the layers append one after another.
     `ape` holds each layer's APE table: (n_layers, kpool, d), or a list of (kpool, d); kpool and d come from it.
+    Pools are compressed by `kernels.pool_compress` (Triton, writing into the storage) when `kernel_backend` says
+    so for the device, else by `pool_keys` and the cast here.
     """
 
     def __init__(self, ape: torch.Tensor | Sequence[torch.Tensor], max_tokens: int, batch_size: int = 1,
@@ -98,6 +102,7 @@ class PooledIndexCache:
         self._tail_keys = torch.zeros(tail_shape, device=device)
         self._tail_gates = torch.zeros(tail_shape, device=device)
         self._n_tokens = [0] * self.n_layers
+        self.backend = kernel_backend(device)
 
     def n_tokens(self, layer: int) -> int:
         return self._n_tokens[layer]
@@ -120,12 +125,19 @@ class PooledIndexCache:
         n_complete = keys.shape[1] // self.kpool * self.kpool
         if n_complete:
             first = self.n_pools(layer)
-            pooled = pool_keys(keys[:, :n_complete], gates[:, :n_complete], self.ape[layer], self.kpool)
-            written = slice(first, first + pooled.shape[1])
-            if self._scales is None:
-                self._pooled[layer, :, written] = pooled.to(self.dtype)
+            written = slice(first, first + n_complete // self.kpool)
+            if self.backend == "triton":
+                from kernels import pool_compress
+
+                pool_compress(keys[:, :n_complete], gates[:, :n_complete], self.ape[layer], self.kpool, self.dtype,
+                              out=self._pooled[layer, :, written],
+                              out_scale=None if self._scales is None else self._scales[layer, :, written])
             else:
-                self._pooled[layer, :, written], self._scales[layer, :, written] = fp8_quantize(pooled)
+                pooled = pool_keys(keys[:, :n_complete], gates[:, :n_complete], self.ape[layer], self.kpool)
+                if self._scales is None:
+                    self._pooled[layer, :, written] = pooled.to(self.dtype)
+                else:
+                    self._pooled[layer, :, written], self._scales[layer, :, written] = fp8_quantize(pooled)
         n_rest = keys.shape[1] - n_complete
         self._tail_keys[layer, :, :n_rest] = keys[:, n_complete:]
         self._tail_gates[layer, :, :n_rest] = gates[:, n_complete:]

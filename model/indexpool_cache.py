@@ -17,6 +17,11 @@ but close up into one contiguous block just before the window, with the sinks ju
 distance exceeds sinks + topk + window + segment, which must stay inside the trained context. (InfLLM puts all far
 tokens at one distance; here a number spread over several far tokens keeps its digit order, which a copy needs.)
 
+Kernels. The backend (`kernels.kernel_backend`: Triton on CUDA, torch elsewhere, INDEXPOOL_KERNELS to force one) is
+chosen once per cache. On Triton, the far part and the window go through `kernels.sparse_attention` (gather, RoPE
+at the placed positions, one online softmax) and pools are compressed by `kernels.pool_compress`; the torch code
+here is the CPU path and the reference.
+
 Selection. A forward of at most `query_tokens` tokens (a decode step, the last tokens of a prompt: the question)
 selects per block of `query_block` consecutive queries (their scores summed; default 1: per query). A
 longer prefill segment shares one selection, scored with the segment's mean index query: a per-query scan of every
@@ -34,6 +39,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from kernels import kernel_backend
 
 from .indexers import Indexer
 from .indexpool import FP8_DTYPE, PooledIndexCache, indexer_source_layers
@@ -199,6 +206,7 @@ class IndexPoolCache:
         # Called as on_select(layer, query_positions, far_positions) after each layer's selection.
         self.on_select: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
         self.evidence: AttentionEvidence | None = None  # set to learn where short forwards (a question, an answer) look
+        self.backend = kernel_backend(self.inv_freq.device)
 
     def bytes_per_token(self) -> dict[str, float]:
         """Bytes per token over all layers: history K/V, pooled index (amortised over a pool)."""
@@ -300,6 +308,10 @@ class IndexPoolCache:
         if not self.true_positions:
             # The sinks and far tokens keep their order but close up into one block just before the window.
             placed += self.ws - n_attended
+        if self.backend == "triton":
+            from kernels import far_rope_tables
+
+            self.far_rope = far_rope_tables(self.inv_freq, placed)
         cos, sin = rope_at(self.inv_freq, placed)
         half = self.head_dim // 2
         # For rotating by roll: x * cos + roll(x, half) * [-sin | sin] is rotate-half RoPE.
@@ -355,6 +367,9 @@ class IndexPoolCache:
         self.selections[layer] = far
         if self.on_select is not None:
             self.on_select(layer, self.positions, far)
+        evidence = self.evidence is not None and T <= self.settings.query_tokens
+        if self.backend == "triton" and not evidence:  # evidence needs each part's log-sum-exp: the torch path
+            return self._sparse_attention(layer, q_rot, far).view(1, T, H * D)
         n_blocks, block = far.shape[0], self.query_block
         # Each part is (output, log-sum-exp) in row order (KV, T * group): the query rows of each KV head.
         parts = []
@@ -382,11 +397,22 @@ class IndexPoolCache:
             far_out, far_lse = attention_with_lse(q_blocks, far_k.transpose(1, 2), far_v.transpose(1, 2))
             parts.append((far_out.view(n_blocks, KV, block * group, D).transpose(0, 1).reshape(1, KV, -1, D)[:, :, : T * group],
                           far_lse.transpose(0, 1).reshape(1, KV, -1)[:, :, : T * group]))
-        if self.evidence is not None and T <= self.settings.query_tokens:
+        if evidence:
             self._add_evidence(parts, q_rows, window_end, far, far_k if far.shape[1] else None,
                                q_blocks if far.shape[1] else None)
         out = merge_attention(parts)
         return out.view(KV, T, group, D).transpose(0, 1).reshape(1, T, H * D)
+
+    def _sparse_attention(self, layer: int, q_rot: torch.Tensor, far: torch.Tensor) -> torch.Tensor:
+        """`attend`'s far part, window and own tokens as one kernel call: the window buffer from ws to the forward's
+        end, each query seeing it up to itself."""
+        from kernels import sparse_attention
+
+        store, window = self.store, slice(self.ws - self.recent_start, self.end - self.recent_start)
+        scales = (store.k_scale[layer], store.v_scale[layer]) if store.quantized else (None, None)
+        return sparse_attention(q_rot, store.k[layer], store.v[layer], far, *self.far_rope,
+                                self.recent_k[layer, :, window], self.recent_v[layer, :, window], self.start - self.ws,
+                                query_block=self.query_block, k_scale=scales[0], v_scale=scales[1])
 
     def _add_evidence(self, parts, q_rows, window_end, far, far_k, q_blocks) -> None:
         """Each attended token's attention probability, from the logits recomputed against the whole forward's

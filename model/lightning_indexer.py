@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import kernel_backend
+
 FORMAT = "indexpool-lightning-indexer/1"
 INDEXERS_DIR = Path(__file__).parent / "indexers_data"
 QUERY_CHUNK = 16  # queries scored together (see score)
@@ -106,7 +108,16 @@ class LightningIndexer(nn.Module):
         core, against 93 ms for a head-by-head (H, d) x (d, P) product). Then each query's weighted sum over its
         heads, in fp32, is one matmul with a block-diagonal (T * H, T) matrix. Queries go in chunks of at most 16,
         which bounds the (P, 16 * H) temporaries. d**-0.5 is folded into the weights (a positive scale commutes
-        with ReLU)."""
+        with ReLU).
+
+        Without gradients, where `kernel_backend` says Triton: `kernels.index_scores` on the queries rounded to the
+        pooled keys' dtype, as here; it keeps each head's logit in fp32 where this path rounds it to bf16."""
+        if not torch.is_grad_enabled() and kernel_backend(pooled.device) == "triton":
+            from kernels import index_scores
+
+            # Every pool handed in is scored: positions past the last one make them all visible.
+            everything = torch.full(q.shape[:2], pooled.shape[1] * self.kpool, dtype=torch.long, device=q.device)
+            return index_scores(q.to(pooled.dtype), weights, pooled, everything, self.kpool)
         B, T, H, _ = q.shape
         head_weights = weights.float() * self.key_dim**-0.5
         parts = []

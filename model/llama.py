@@ -195,7 +195,10 @@ class Transformer(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        weight = torch.empty(config.vocab_size, config.dim)
+        if weight.device.type != "meta":  # the loader builds on the meta device, where normal_ alone costs ~3 s
+            nn.init.normal_(weight)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=weight)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = nn.Parameter(torch.ones(config.dim))
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)

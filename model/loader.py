@@ -38,27 +38,39 @@ class LoadedModel:
     source_bits_per_weight: float  # storage of the block weights in the file (Q4_1: 5.0, bf16: 16)
 
 
-def load_model(spec: str | os.PathLike | None, dtype: torch.dtype, device: str | torch.device = "cpu") -> LoadedModel:
-    """spec: a .gguf file, a Hugging Face model directory, or None for the default model."""
+def model_path(spec: str | os.PathLike | None) -> Path:
+    """The file or directory a model spec names (None: the default model)."""
     path = default_model_path() if spec in (None, "", "default") else Path(spec).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model not found: {path} (give a .gguf file or a Hugging Face model directory)")
+    return path
+
+
+def load_model(spec: str | os.PathLike | None, dtype: torch.dtype, device: str | torch.device = "cpu",
+               weights: bool = True) -> LoadedModel:
+    """spec: a .gguf file, a Hugging Face model directory, or None for the default model. weights=False builds
+    the model with uninitialised weights (for a caller that fills them from prepared copies); llama family only."""
+    path = model_path(spec)
     if path.is_dir():
-        return _load_hf_dir(path, dtype, device)
-    return _load_gguf(path, dtype, device)
+        return _load_hf_dir(path, dtype, device, weights)
+    return _load_gguf(path, dtype, device, weights)
 
 
 # Canonical per-layer tensor roles; each loader maps them to its own names.
 LAYER_ROLES = ("attn_norm", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "o", "ffn_norm", "gate", "up", "down")
 
 
-def build_transformer(config: LlamaConfig, get: Callable[[str], torch.Tensor], dtype, device) -> Transformer:
-    """get(role) returns a tensor for 'embed', 'norm', 'output' or 'L.role' (layer L), already in HF layout."""
+def build_transformer(config: LlamaConfig, get: Callable[[str], torch.Tensor] | None, dtype, device) -> Transformer:
+    """get(role) returns a tensor for 'embed', 'norm', 'output' or 'L.role' (layer L), already in HF layout;
+    get=None leaves the weights uninitialised."""
     with torch.device("meta"):
         model = Transformer(config)
     model = model.to_empty(device=device).to(dtype)
     if config.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
+    if get is None:
+        model._ensure_rope(config.context_length)
+        return model.eval().requires_grad_(False)
 
     def put(param: torch.Tensor, value: torch.Tensor, what: str) -> None:
         if tuple(param.shape) != tuple(value.shape):
@@ -134,7 +146,7 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path, dtype, device) -> LoadedModel:
+def _load_gguf(path: Path, dtype, device, weights: bool = True) -> LoadedModel:
     g = read_gguf(path)
     config = gguf_config(g)
     tokenizer = Tokenizer.from_gguf_metadata(g.metadata)
@@ -151,7 +163,7 @@ def _load_gguf(path: Path, dtype, device) -> LoadedModel:
             t = unpermute_rows(t, config.n_kv_heads)
         return t
 
-    model = build_transformer(config, get, dtype, device)
+    model = build_transformer(config, get if weights else None, dtype, device)
     name = str(g.metadata.get("general.name") or path.stem)
     block, type_size = GGML_QUANT_SIZES[g.tensors["blk.0.ffn_up.weight"].qtype]
     return LoadedModel(model, tokenizer, config, path, name, path.stat().st_size, 8 * type_size / block)
@@ -241,7 +253,7 @@ def read_hf_config(path: Path) -> dict:
         raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from None
 
 
-def _load_hf_dir(path: Path, dtype, device) -> LoadedModel:
+def _load_hf_dir(path: Path, dtype, device, weights: bool = True) -> LoadedModel:
     raw = read_hf_config(path)
     from .glm5_next_loader import is_glm5_next, load_glm5_next_dir  # the hybrid GLM-5.3-Flash family
 
@@ -262,7 +274,7 @@ def _load_hf_dir(path: Path, dtype, device) -> LoadedModel:
             raise ModelLoadError(f"tensor '{name}' is missing from the weights in {path}")
         return t
 
-    model = build_transformer(config, get, dtype, device)
+    model = build_transformer(config, get if weights else None, dtype, device)
     size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     bits = torch.finfo(get("0.up").dtype).bits
     return LoadedModel(model, tokenizer, config, path, raw.get("_name_or_path") or path.name, size, bits)

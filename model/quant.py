@@ -19,10 +19,11 @@ INT4_GROUP = 32
 class DecodeQuantLinear(nn.Module):
     max_rows = 4  # up to this many rows the quantized kernels beat bf16 (measured: 1 row 3x, 8 rows on par)
 
-    def __init__(self, linear: nn.Linear, bits: int):
+    def __init__(self, linear: nn.Linear, bits: int, compute: bool = True):
+        """compute=False allocates the quantized buffers uninitialised, for a caller that fills them."""
         super().__init__()
         self.weight, self.bias, self.bits = linear.weight, linear.bias, bits
-        w = linear.weight.detach().float()
+        w = linear.weight.detach().float() if compute else torch.zeros(linear.weight.shape)
         if bits == 8:
             scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
             self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8), persistent=False)
@@ -53,9 +54,10 @@ class DecodeQuantLinear(nn.Module):
         return y.view(*x.shape[:-1], -1)
 
 
-def quantize_for_decode(model: nn.Module, bits: int, keep_int8: tuple[str, ...] = ()) -> nn.Module:
+def quantize_for_decode(model: nn.Module, bits: int, keep_int8: tuple[str, ...] = (), compute: bool = True) -> nn.Module:
     """Give every nn.Linear a quantized decode copy (bf16 models only: the kernels take bf16 activations).
-    Layers named in `keep_int8`, or whose input width is not a multiple of the int4 group, use int8."""
+    Layers named in `keep_int8`, or whose input width is not a multiple of the int4 group, use int8.
+    compute=False only shapes the copies (to be filled from prepared weights)."""
     if next(model.parameters()).dtype != torch.bfloat16:
         raise ValueError("quantized decode weights need a bf16 model")
     for name, module in list(model.named_modules()):
@@ -63,5 +65,5 @@ def quantize_for_decode(model: nn.Module, bits: int, keep_int8: tuple[str, ...] 
             if isinstance(child, nn.Linear):
                 full = f"{name}.{child_name}" if name else child_name
                 use = 8 if bits == 8 or full in keep_int8 or child.in_features % INT4_GROUP else 4
-                setattr(module, child_name, DecodeQuantLinear(child, use))
+                setattr(module, child_name, DecodeQuantLinear(child, use, compute))
     return model

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
-from .loader import LoadedModel, load_model
+from .llama import LlamaConfig
+from .loader import LoadedModel, load_model, model_path
+from .tensor_cache import TensorCache, cache_key, default_cache_dir
 from .quant import quantize_for_decode
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -55,12 +58,60 @@ def decode_bits(choice: str, source_bits_per_weight: float) -> int | None:
 def load_engine(model: str | os.PathLike | None, dtype: str = "auto", device: str | None = None, decode_weights: str = "auto") -> LoadedModel:
     """Load a model for generation. A bf16 model on the CPU decodes with quantized weight copies unless
     `decode_weights` is "off". The output layer stays int8: GGUF files keep it at 8 bits or more (the default
-    model's tied embedding is Q8_0), as the matrix whose rounding reaches the logits directly."""
+    model's tied embedding is Q8_0), as the matrix whose rounding reaches the logits directly.
+
+    A GGUF model's prepared weights (dequantized, plus the decode copies: seconds of work) are kept in the prepared
+    weights cache (~/.cache/indexpool/models; INDEXPOOL_PREPARED_WEIGHTS=0 turns it off), so the next load reads
+    them back instead."""
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
     decode_bits(decode_weights, 16)  # validate before the slow load
-    loaded = load_model(model, torch_dtype, device)
-    bits = decode_bits(decode_weights, loaded.source_bits_per_weight)
-    if bits and device == "cpu" and torch_dtype == torch.bfloat16:
-        quantize_for_decode(loaded.model, bits, keep_int8=("output",))
+    path = model_path(model)
+    store = None
+    if path.is_file() and os.environ.get("INDEXPOOL_PREPARED_WEIGHTS", "1") != "0":
+        store = TensorCache(default_cache_dir("models"), limit_bytes=PREPARED_LIMIT_BYTES)
+        stat = path.stat()
+        key = cache_key({"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                         "dtype": str(torch_dtype), "device": str(device), "decode_weights": decode_weights,
+                         "code": _weights_code_hash()})
+        saved = store.load(key, warn=lambda message: None)  # a damaged entry is simply rebuilt
+        if saved is not None:
+            loaded = load_model(path, torch_dtype, device, weights=False)
+            _prepare_decode(loaded, decode_weights, torch_dtype, device, compute=False)
+            targets = dict(loaded.model.named_parameters()) | dict(loaded.model.named_buffers())
+            if set(targets) == set(saved[1]):
+                with torch.no_grad():
+                    for name, tensor in saved[1].items():
+                        targets[name].copy_(tensor)
+                return loaded
+    loaded = load_model(path, torch_dtype, device)
+    _prepare_decode(loaded, decode_weights, torch_dtype, device)
+    if store is not None:
+        tensors = dict(loaded.model.named_parameters()) | dict(loaded.model.named_buffers())
+        try:
+            store.save(key, [], tensors, loaded.name)
+        except OSError:  # no room or no permission: loading works without it
+            pass
     return loaded
+
+
+PREPARED_LIMIT_BYTES = 4 * 1024**3
+
+
+def _prepare_decode(loaded: LoadedModel, decode_weights: str, dtype: torch.dtype, device: str, compute: bool = True) -> None:
+    bits = decode_bits(decode_weights, loaded.source_bits_per_weight)
+    # Only the llama family decodes with quantized copies. In glm5_next most weights are routed experts (not
+    # nn.Linear layers), and rounding its indexer projections would flip near-tied pool rankings.
+    if bits and device == "cpu" and dtype == torch.bfloat16 and isinstance(loaded.config, LlamaConfig):
+        quantize_for_decode(loaded.model, bits, keep_int8=("output",), compute=compute)
+
+
+def _weights_code_hash() -> str:
+    """The source of the code that turns a file into prepared weights: an edit to it invalidates the cache."""
+    import hashlib
+
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for name in ("gguf_file.py", "loader.py", "llama.py", "quant.py"):
+        digest.update((here / name).read_bytes())
+    return digest.hexdigest()[:16]

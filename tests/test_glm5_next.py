@@ -22,15 +22,15 @@ from model.glm5_next import (
     kda_recurrent,
     speculative_generate,
 )
-from model.glm5_next_loader import dequantize_fp8_blocks, load_glm5_next
+from model.glm5_next_loader import dequantize_fp8_blocks, generation_stop_ids, load_glm5_next
 from model.indexpool import FP8_DTYPE
 from tests.tiny_glm5_next import (
+    END_TOKENS,
     VOCAB,
     ReferenceMTP,
     build_checkpoint,
     fp8_block_round_trip,
     quantize_fp8,
-    write_tokenizer,
 )
 
 ATOL = 2e-5  # on logits of magnitude ~5; observed differences are up to ~1e-5
@@ -226,6 +226,105 @@ def test_engine_session_generates_greedy(tiny, ids):
     assert max_diff(last, fresh[:, -1]) <= ATOL
 
 
+# ----------------------------------------------------------------------------------------------- saved state
+
+def feed_rest(model: Glm5NextModel, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Logits of 20 tokens from `start` in one forward (the prefill form), then of 10 more one at a time."""
+    with torch.inference_mode():
+        parts = [model(ids[:, start:start + 20], start, cache, all_logits=True)]
+        parts += [model(ids[:, p:p + 1], p, cache) for p in range(start + 20, start + 30)]
+    return torch.cat(parts, dim=1)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.bfloat16, FP8_DTYPE])
+def test_saved_state_continues_exactly_like_the_original(tiny, ids, tmp_path, index_dtype):
+    """Export after 50 tokens (mid-pool: the unfinished pool's raw keys are part of the state), save and load it
+    as the document cache does, import it into a fresh cache: what follows gives the original's logits."""
+    from model.tensor_cache import TensorCache
+
+    ours = tiny.model
+    original = ours.new_cache(100, index_dtype=index_dtype)
+    with torch.inference_mode():
+        ours(ids[:, :50], 0, original)
+    documents = TensorCache(tmp_path)
+    documents.save("document", ids[0, :50].tolist(), original.export_state(50), "50 tokens")
+    tokens, state = documents.load("document", warn=pytest.fail)
+    assert tokens == ids[0, :50].tolist()
+    restored = ours.new_cache(100, index_dtype=index_dtype)
+    restored.import_state(state)
+    assert restored.length == 50
+    assert torch.equal(feed_rest(ours, restored, ids, 50), feed_rest(ours, original, ids, 50))
+
+
+def test_a_saved_state_of_other_settings_is_refused(tiny, ids):
+    ours = tiny.model
+    cache = ours.new_cache(64, index_dtype=FP8_DTYPE)
+    with torch.inference_mode():
+        ours(ids[:, :20], 0, cache)
+    with pytest.raises(ValueError, match="holds 20 tokens, not 19"):
+        cache.export_state(19)
+    state = cache.export_state(20)
+    for other in (ours.new_cache(64), ours.new_cache(16, index_dtype=FP8_DTYPE),
+                  load_glm5_next(tiny.path, torch.bfloat16).new_cache(64, index_dtype=FP8_DTYPE)):
+        with pytest.raises(ValueError, match="the saved cache state does not match"):
+            other.import_state(state)
+
+
+def test_truncate_goes_back_to_the_exported_length(tiny, ids, expected):
+    """After export_state(50) and 21 more tokens, truncating to 60 keeps 50 (the state at 60 is gone, the one at
+    50 was kept) and what follows is the full forward's; truncating below 50 starts over."""
+    ours = tiny.model
+    cache = ours.new_cache(N_TOKENS, **EXACT)
+    with torch.inference_mode():
+        ours(ids[:, :50], 0, cache)
+        cache.export_state(50)
+        ours(ids[:, 50:70], 50, cache)
+        ours(ids[:, 70:71], 70, cache)
+        assert cache.truncate(60) == 50
+        rest = ours(ids[:, 50:90], 50, cache, all_logits=True)
+        assert cache.truncate(60) == 50
+        assert cache.truncate(49) == 0
+    assert max_diff(rest, expected[:, 50:90]) <= ATOL
+
+
+def test_a_rewind_below_the_exported_length_forgets_it(tiny, ids):
+    """Exported at 42 right after a two-token forward, rewound to 41, then other tokens: the state at 42 no
+    longer belongs to the tokens held, so a later truncate to 43 starts over."""
+    ours = tiny.model
+    cache = ours.new_cache(N_TOKENS, rewindable=True, **EXACT)
+    with torch.inference_mode():
+        ours(ids[:, :40], 0, cache)
+        ours(ids[:, 40:42], 40, cache)
+        cache.export_state(42)
+        assert cache.truncate(41) == 41
+        ours(ids[:, 100:106], 41, cache)  # more than DECODE_MAX_TOKENS: no undo of its own
+        assert cache.truncate(43) == 0
+
+
+def test_session_reads_a_document_once_for_two_requests(tiny, ids):
+    """The document jobs' pattern: prefill the document, export it, answer a request; the next request (the
+    document, then other tokens) is fed from the end of the document, and its logits are a fresh prefill's."""
+    ours = tiny.model
+    starts = []
+
+    def model(tokens, start, cache, **kwargs):
+        starts.append(start)
+        return ours(tokens, start, cache, **kwargs)
+
+    document = ids[0, :50].tolist()
+    session = Session(ours, 120)
+    session.model = model
+    session.prefill(document, query_tail=False)
+    session.export_state()
+    list(session.generate(document + ids[0, 60:70].tolist(), Sampler(SamplingParams(temperature=0)), 5))
+    starts.clear()
+    second = document + ids[0, 70:80].tolist()
+    last = session.prefill(second)
+    assert starts == [50]
+    fresh = logits(ours, torch.tensor([second]), [len(second)], index_dtype=torch.bfloat16)  # Session's default
+    assert max_diff(last, fresh[:, -1]) <= ATOL
+
+
 # ------------------------------------------------------------------------------------------------------ MTP
 
 def reference_mtp_logits(reference, mtp, ids: torch.Tensor) -> torch.Tensor:
@@ -348,18 +447,33 @@ def test_flat_text_only_checkpoint(tiny, ids, expected, tmp_path):
     assert max_diff(logits(ours, ids, [N_TOKENS]), expected) <= ATOL
 
 
-def test_load_model_routes_a_glm5_next_directory(tiny, ids, expected, tmp_path):
+def test_load_model_routes_a_glm5_next_directory(tiny, ids, expected):
+    """load_model on the checkpoint directory: our model, and the tokenizer from tokenizer.json with the chat
+    template and the end tokens of generation_config.json."""
+    import pydoc_data.topics
+    from tokenizers import Tokenizer as HFTokenizer
+
     from model.loader import load_model
 
-    path = tmp_path / "with_tokenizer"
-    shutil.copytree(tiny.path, path)
-    write_tokenizer(path)
-    loaded = load_model(path, torch.float32)
+    loaded = load_model(tiny.path, torch.float32)
     assert isinstance(loaded.model, Glm5NextModel) and loaded.config.index_kpool == 4
     assert loaded.source_bits_per_weight == 32
     assert any("vision tower" in note for note in loaded.model.load_notes)
-    assert loaded.tokenizer.decode(loaded.tokenizer.encode("the pools")) == "the pools"
     assert max_diff(logits(loaded.model, ids, [N_TOKENS]), expected) <= ATOL
+    tok, reference = loaded.tokenizer, HFTokenizer.from_file(str(tiny.path / "tokenizer.json"))
+    text = pydoc_data.topics.topics["with"] + " 12345 ünïcode 日本語\n\n  x"
+    assert tok.encode(text) == reference.encode(text, add_special_tokens=False).ids
+    assert tok.vocab_size == VOCAB
+    assert tok.stop_ids == {reference.token_to_id(t) for t in END_TOKENS}
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == "[gMASK]<sop><|user|>\nhi<|assistant|>\n"
+
+
+def test_bad_generation_config_is_a_one_line_error(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["<|user|>"]}))
+    with pytest.raises(ModelLoadError, match="eos_token_id must be a token id or a list of them"):
+        generation_stop_ids(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 5]}))
+    assert generation_stop_ids(tmp_path) == {3, 5}
 
 
 def test_bad_checkpoints_give_one_line_errors(tiny, tmp_path):

@@ -150,3 +150,26 @@ def test_unknown_hf_architecture(tmp_path):
 def test_directory_without_config(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_model(tmp_path, torch.float32)
+
+
+def test_prepared_weights_cache_gives_the_same_model(tmp_path, monkeypatch):
+    """The second load reads the prepared weights (dequantized + decode copies) back: every parameter and buffer
+    equal, so the same logits, prefill (bf16 weights) and decode (int4/int8 copies) alike."""
+    from model.runtime import load_engine
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = load_engine(None)
+    (entry,) = (tmp_path / "indexpool" / "models").glob("*.safetensors")
+    restored = load_engine(None)
+    built_state = dict(built.model.named_parameters()) | dict(built.model.named_buffers())
+    restored_state = dict(restored.model.named_parameters()) | dict(restored.model.named_buffers())
+    assert built_state.keys() == restored_state.keys()
+    assert all(torch.equal(built_state[k], restored_state[k]) for k in built_state)
+    tokens = torch.tensor([built.tokenizer.encode("The capital of France is")])
+    for length in (tokens.shape[1], 1):  # a prefill, then a one-token (decode-weight) step
+        a = built.model(tokens[:, :length], 0, built.model.new_cache(16))
+        b = restored.model(tokens[:, :length], 0, restored.model.new_cache(16))
+        assert torch.equal(a, b)
+    entry.write_bytes(entry.read_bytes()[:1000])  # damaged: rebuilt, not trusted
+    again = load_engine(None)
+    assert torch.equal(again.model.tok_embeddings.weight, built.model.tok_embeddings.weight)

@@ -202,26 +202,51 @@ def quantize_fp8(src: Path, fp8_dir: Path, restored_dir: Path, block: tuple[int,
     (fp8_dir / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": weight_map}, indent=2))
 
 
-def write_tokenizer(path: Path, vocab_size: int = 300) -> None:
-    """A small byte-level BPE tokenizer.json (ids below the tiny vocabulary), trained on a few sentences."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+# GLM's control tokens (a few of them) and a GLM-style chat template written for these tests: "[gMASK]<sop>",
+# then each turn as its role marker, a newline and the text. A reply ends when the model writes the next turn's
+# marker, so generation_config.json lists <|user|> and <|observation|> as end tokens beside <|endoftext|>.
+SPECIAL_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+END_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
+CHAT_TEMPLATE = ("[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def write_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
+    """A byte-level BPE tokenizer in the layout of GLM checkpoints (a regex Split, then ByteLevel without its own
+    regex), trained on Python's documentation to exactly `vocab_size` tokens (the model's vocabulary, so every id
+    the model can emit is a token), with tokenizer_config.json, chat_template.jinja and generation_config.json."""
+    import pydoc_data.topics
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from model.tokenizer import LLAMA3_PATTERN
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>"], show_progress=False)
-    text = ["The indexer keeps the best pools of keys.", "A hybrid model mixes linear and latent attention.",
-            "Tiny random checkpoints are built when the tests run."]
-    tokenizer.train_from_iterator(text * 20, trainer)
+                                  special_tokens=SPECIAL_TOKENS, show_progress=False)
+    topics = pydoc_data.topics.topics
+    tokenizer.train_from_iterator([topics[name] for name in sorted(topics)[:40]], trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, not {vocab_size}")
     tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                            "pad_token": "<|endoftext|>"}))
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    generation_file = path / "generation_config.json"
+    generation = json.loads(generation_file.read_text()) if generation_file.exists() else {}
+    generation["eos_token_id"] = [tokenizer.token_to_id(t) for t in END_TOKENS]
+    generation_file.write_text(json.dumps(generation, indent=2))
 
 
 def build_checkpoint(path: Path, seed: int = 0, **overrides):
-    """A reference model with an MTP layer, saved to `path`. Returns (reference model, reference MTP)."""
+    """A reference model with an MTP layer, saved to `path` with a tokenizer. Returns (reference model, MTP)."""
     model = make_reference_model(seed, **overrides)
     mtp = make_reference_mtp(model, seed + 1)
     save_checkpoint(model, path, mtp)
+    write_tokenizer(path, model.config.text_config.vocab_size)
     return model, mtp
 
 

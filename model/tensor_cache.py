@@ -1,10 +1,12 @@
-"""The document cache: a read (prefilled) document saved to disk, so the next question on it starts at once.
+"""A directory of tensor files kept between runs: the document cache (a read document's cache state, so the next
+question on it starts at once) and prepared model weights (dequantized and quantized for decode, so a model loads
+in a second).
 
 One safetensors file per entry, named `<key>.<crc32>.safetensors`: the key is a hash of everything that shapes the
-state (model, attention settings, the prompt tokens up to the end of the document); the crc32 of the file's bytes
-is in the name, so a truncated or corrupted file is detected before it is used. Files are written to a temporary
-name and renamed (atomic on POSIX); reading an entry touches its mtime, and the least recently used entries are
-evicted when the directory grows past its size limit.
+entry (for a document: model, attention settings, the prompt tokens up to the end of the document); the crc32 of
+the file's bytes is in the name, so a truncated or corrupted file is detected before it is used. Files are written
+to a temporary name and renamed (atomic on POSIX); reading an entry touches its mtime, and the least recently used
+entries are evicted when the directory grows past its size limit.
 """
 
 from __future__ import annotations
@@ -27,15 +29,15 @@ DEFAULT_LIMIT_BYTES = 8 * 1024**3
 SUFFIX = ".safetensors"
 
 
-def default_cache_dir() -> Path:
+def default_cache_dir(kind: str) -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "indexpool" / "documents"
+    return Path(base) / "indexpool" / kind
 
 
-def cache_key(identity: dict, tokens: list[int]) -> str:
-    """A hex key for a document state: `identity` (model and settings, JSON-able) and the tokens it holds."""
+def cache_key(identity: dict, tokens: list[int] = ()) -> str:
+    """A hex key for an entry: `identity` (what shaped it, JSON-able) and, for a document, the tokens it holds."""
     digest = hashlib.sha256(json.dumps({"version": FORMAT_VERSION, **identity}, sort_keys=True).encode())
-    digest.update(torch.tensor(tokens, dtype=torch.int32).numpy().tobytes())
+    digest.update(torch.tensor(list(tokens), dtype=torch.int32).numpy().tobytes())
     return digest.hexdigest()[:32]
 
 
@@ -53,12 +55,12 @@ class CacheEntry:
     key: str
     size: int
     last_used: float
-    description: str  # what the user cached: the input's name(s) and token count
+    description: str  # what is cached: a document's name(s) and token count, a model's name
 
 
-class DocumentCache:
-    def __init__(self, directory: Path | None = None, limit_bytes: int = DEFAULT_LIMIT_BYTES):
-        self.directory = Path(directory) if directory else default_cache_dir()
+class TensorCache:
+    def __init__(self, directory: Path, limit_bytes: int = DEFAULT_LIMIT_BYTES):
+        self.directory = Path(directory)
         self.limit_bytes = limit_bytes
 
     def entries(self) -> list[CacheEntry]:
@@ -90,7 +92,7 @@ class DocumentCache:
                     state = {name: f.get_tensor(name) for name in f.keys()}
                 tokens = state.pop("tokens").tolist()
             except Exception as e:
-                warn(f"document cache entry {path.name} is unusable ({e}); reading the document again")
+                warn(f"cache entry {path.name} is unusable ({e}); building it again")
                 path.unlink(missing_ok=True)
                 continue
             os.utime(path)  # mark as recently used

@@ -1,0 +1,96 @@
+"""Summaries, single pass vs hierarchical: how many of a document's chapters does the summary mention?
+
+Builds a document of `--length` tokens from chapters of Python's own documentation (`pydoc_data.topics`), each
+headed "Chapter N: <topic>", and summarizes it both ways with the default model (greedy, `--length long`):
+`single` reads the whole document in one context (IndexPool); `hierarchical` summarizes sections that fit the
+model's context, then the summaries. Coverage = the share of chapter topics named in the summary; a crude measure
+of a summary (no reference summaries exist offline), but it is the one `summarize --strategy auto` is chosen by.
+
+    .venv/bin/python benchmarks/summary_coverage.py --length 16000 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def build_chapters(tokenizer, length: int) -> tuple[str, list[str]]:
+    import pydoc_data.topics
+
+    topics = [(name, text) for name, text in sorted(pydoc_data.topics.topics.items()) if name.isalpha() and len(text) > 800]
+    chapters, names, total = [], [], 0
+    for i, (name, text) in enumerate(topics, 1):
+        chapter = f"Chapter {i}: {name}\n\n{text.strip()}\n\n"
+        total += len(tokenizer.encode(chapter))
+        if total > length:
+            break
+        chapters.append(chapter)
+        names.append(name)
+    return "".join(chapters), names
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--length", type=int, default=16000)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+
+    import dataclasses
+    import tempfile
+
+    from indexpool_cli.attention import AttentionChoice, open_session
+    from indexpool_cli.ingest import load_document
+    from indexpool_cli.jobs import (SUMMARY_LENGTHS, DocumentTokens, document_prompt, read_document, request_messages,
+                                    run_request, session_identity, summarize_hierarchical, summary_request)
+    from model.generate import Sampler, SamplingParams
+    from model.runtime import load_engine, set_threads
+
+    set_threads(args.threads)
+    loaded = load_engine(None)
+    tok = loaded.tokenizer
+    text, names = build_chapters(tok, args.length)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "manual.txt"
+        path.write_text(text)
+        document = load_document([str(path)])
+    request, budget = summary_request("long", None), SUMMARY_LENGTHS["long"][1]
+    choice = AttentionChoice()
+    results = {}
+
+    t0 = time.perf_counter()
+    prompt = document_prompt(tok, DocumentTokens.encode(tok, document), request_messages(request))
+    session = open_session(loaded, choice, len(prompt.ids) + budget, auto="indexpool")
+    read_document(session, prompt, session_identity(loaded, session, choice), None, "", print, None)
+    print(f"document: {prompt.doc_end - prompt.doc_start:,} tokens, {len(names)} chapters", flush=True)
+    results["single"] = (run_request(session, tok, prompt, document, Sampler(SamplingParams(temperature=0)), budget,
+                                     None, False, 0.0), time.perf_counter() - t0)
+    show("single", *results["single"], names)
+    del session
+
+    t0 = time.perf_counter()
+    dense = dataclasses.replace(choice, attention="dense")
+    results["hierarchical"] = (summarize_hierarchical(
+        loaded, document, request, budget, Sampler(SamplingParams(temperature=0)), None,
+        lambda needed: open_session(loaded, dense, needed), lambda needed: open_session(loaded, choice, needed,
+                                                                                        auto="indexpool")),
+        time.perf_counter() - t0)
+    show("hierarchical", *results["hierarchical"], names)
+
+
+def show(strategy: str, result, seconds: float, names: list[str]) -> None:
+    summary = result.text.lower()
+    named = [n for n in names if n.lower() in summary]
+    print(f"{strategy:>12}: coverage {len(named)}/{len(names)} ({100 * len(named) / len(names):.0f}%), "
+          f"{result.new_tokens} tokens, {seconds:.0f}s; named: {', '.join(named)}")
+    print(f"{'':>14}{result.text.strip()[:300]!r}", flush=True)
+
+
+
+if __name__ == "__main__":
+    main()
