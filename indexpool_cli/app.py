@@ -301,17 +301,21 @@ def _warn(message: str, run: RunChoice) -> None:
         err_console.print(f"indexpool: {message}", markup=False, soft_wrap=True)
 
 
+def document_command(fn):
+    """A command over documents (ask, summarize): every option group, greedy decoding by default."""
+    for decorate in (option_group(RunChoice, "run"), option_group(SamplingChoice, "sampling", temperature=0.0),
+                     option_group(DocumentChoice, "document"), attention_options, option_group(RemoteChoice, "remote"),
+                     command):
+        fn = decorate(fn)
+    return fn
+
+
 PathsArg = Annotated[list[str], typer.Argument(help="Files, folders, or '-' for stdin.")]
 SUMMARY_STRATEGIES = ("auto", "single", "hierarchical")
 DOCUMENT_CHAT_TOKENS = 65536  # room for a conversation about a document, on top of the document
 
 
-@command
-@option_group(RemoteChoice, "remote")
-@attention_options
-@option_group(DocumentChoice, "document")
-@option_group(SamplingChoice, "sampling", temperature=0.0)
-@option_group(RunChoice, "run")
+@document_command
 def ask(
     path: Annotated[str, typer.Argument(help="A file, a folder, or '-' for stdin.")],
     question: Annotated[Optional[str], typer.Argument(help="The question.")] = None,
@@ -338,12 +342,7 @@ def ask(
                   remote=remote, kind="ask")
 
 
-@command
-@option_group(RemoteChoice, "remote")
-@attention_options
-@option_group(DocumentChoice, "document")
-@option_group(SamplingChoice, "sampling", temperature=0.0)
-@option_group(RunChoice, "run")
+@document_command
 def summarize(
     paths: PathsArg,
     length: Annotated[str, typer.Option("--length", help="short, medium or long.")] = "medium",
