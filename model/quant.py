@@ -23,13 +23,21 @@ class DecodeQuantLinear(nn.Module):
         """compute=False allocates the quantized buffers uninitialised, for a caller that fills them."""
         super().__init__()
         self.weight, self.bias, self.bits = linear.weight, linear.bias, bits
-        w = linear.weight.detach().float() if compute else torch.zeros(linear.weight.shape)
+        if bits not in (4, 8):
+            raise ValueError(f"decode weights of {bits} bits are not supported (8 or 4)")
+        n, k = linear.weight.shape
+        if not compute:  # the shapes and dtypes the branches below produce (int4: two values per byte)
+            self.register_buffer("qweight", torch.empty((n, k) if bits == 8 else (n, k // 2),
+                                                        dtype=torch.int8 if bits == 8 else torch.uint8), persistent=False)
+            self.register_buffer("scales", torch.empty((n,) if bits == 8 else (k // INT4_GROUP, n, 2),
+                                                       dtype=linear.weight.dtype), persistent=False)
+            return
+        w = linear.weight.detach().float()
         if bits == 8:
             scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
             self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8), persistent=False)
             self.register_buffer("scales", scale.to(linear.weight.dtype), persistent=False)
-        elif bits == 4:
-            n, k = w.shape
+        else:
             groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
             low, high = groups.amin(dim=-1), groups.amax(dim=-1)
             scale = ((high - low) / 15).clamp_min(1e-12)
@@ -37,8 +45,6 @@ class DecodeQuantLinear(nn.Module):
             self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2), persistent=False)
             zero = low + 8 * scale  # the kernel computes (q - 8) * scale + zero
             self.register_buffer("scales", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(linear.weight.dtype), persistent=False)
-        else:
-            raise ValueError(f"decode weights of {bits} bits are not supported (8 or 4)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

@@ -79,7 +79,7 @@ def load_engine(model: str | os.PathLike | None, dtype: str = "auto", device: st
             loaded = load_model(path, torch_dtype, device, weights=False)
             _prepare_decode(loaded, decode_weights, torch_dtype, device, compute=False)
             targets = dict(loaded.model.named_parameters()) | dict(loaded.model.named_buffers())
-            if set(targets) == set(saved[1]):
+            if {k: t.shape for k, t in targets.items()} == {k: t.shape for k, t in saved[1].items()}:
                 with torch.no_grad():
                     for name, tensor in saved[1].items():
                         targets[name].copy_(tensor)
