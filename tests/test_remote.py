@@ -95,23 +95,23 @@ class LlamaServer:
                 self.kill()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def serve(tmp_path_factory, name: str, n_ctx: int):
     if LLAMA_CPP_MISSING:
         pytest.skip("llama-cpp-python[server] is not installed: `make setup` installs it (the test server)")
-    running = LlamaServer(tmp_path_factory.mktemp("server"), n_ctx=2048)
+    running = LlamaServer(tmp_path_factory.mktemp(name), n_ctx=n_ctx)
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from serve(tmp_path_factory, "server", 2048)
 
 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory):
     """A server whose context (512 tokens) the document does not fit."""
-    if LLAMA_CPP_MISSING:
-        pytest.skip("llama-cpp-python[server] is not installed: `make setup` installs it (the test server)")
-    running = LlamaServer(tmp_path_factory.mktemp("small-server"), n_ctx=512)
-    yield running
-    running.stop()
+    yield from serve(tmp_path_factory, "small-server", 512)
 
 
 @pytest.fixture(scope="module")
