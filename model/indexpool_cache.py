@@ -362,7 +362,6 @@ class IndexPoolCache:
         self.recent_k[layer, :, slots] = qk_rot[:, H:].transpose(0, 1)
         self.recent_v[layer, :, slots] = v[0].transpose(0, 1)
 
-        self.layer_now = layer
         far = self._select(layer, x, q)
         self.selections[layer] = far
         if self.on_select is not None:
@@ -398,7 +397,7 @@ class IndexPoolCache:
             parts.append((far_out.view(n_blocks, KV, block * group, D).transpose(0, 1).reshape(1, KV, -1, D)[:, :, : T * group],
                           far_lse.transpose(0, 1).reshape(1, KV, -1)[:, :, : T * group]))
         if evidence:
-            self._add_evidence(parts, q_rows, window_end, far, far_k if far.shape[1] else None,
+            self._add_evidence(layer, parts, q_rows, window_end, far, far_k if far.shape[1] else None,
                                q_blocks if far.shape[1] else None)
         out = merge_attention(parts)
         return out.view(KV, T, group, D).transpose(0, 1).reshape(1, T, H * D)
@@ -414,13 +413,13 @@ class IndexPoolCache:
                                 self.recent_k[layer, :, window], self.recent_v[layer, :, window], self.start - self.ws,
                                 query_block=self.query_block, k_scale=scales[0], v_scale=scales[1])
 
-    def _add_evidence(self, parts, q_rows, window_end, far, far_k, q_blocks) -> None:
+    def _add_evidence(self, layer, parts, q_rows, window_end, far, far_k, q_blocks) -> None:
         """Each attended token's attention probability, from the logits recomputed against the whole forward's
         log-sum-exp (short forwards only: a question, an answer token)."""
         KV, D = self.n_kv_heads, self.head_dim
         lse = torch.stack([part_lse for _, part_lse in parts]).logsumexp(dim=0)[0]  # (KV, rows)
         if window_end > self.ws:
-            keys = self.recent_k[self.layer_now, :, self.ws - self.recent_start : window_end - self.recent_start]
+            keys = self.recent_k[layer, :, self.ws - self.recent_start : window_end - self.recent_start]
             logits = (q_rows[0].float() @ keys.float().transpose(-1, -2)) * D**-0.5  # (KV, rows, W)
             positions = torch.arange(self.ws, window_end, device=logits.device)
             query_positions = self.positions.repeat_interleave(self.n_heads // KV)
