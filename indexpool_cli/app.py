@@ -224,9 +224,12 @@ def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, ru
                   sampling: SamplingChoice, attention: AttentionChoice, document: DocumentChoice,
                   system: str | None = None, doc=None, loaded=None, remote: RemoteChoice | None = None,
                   kind: str = "ask") -> None:
-    """Read the document once (or restore it from the document cache), then answer each request in turn.
+    """Read the document once (or restore it from the document cache), then answer the requests: together, as branches
+    of the held document, when the session allows (`jobs.batch_size`), else in turn.
     `doc` and `loaded` when the caller has them already; `remote` sends the requests to a server instead."""
-    from .jobs import DocumentTokens, document_prompt, read_document, request_messages, run_request, session_identity
+    from .attention import available_memory_bytes
+    from .jobs import (DocumentTokens, batch_size, document_prompt, read_document, request_messages, run_batch,
+                       run_request, session_identity)
 
     doc = doc or document.load(paths)
     for note in doc.notes:
@@ -260,17 +263,32 @@ def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, ru
     identity = session_identity(loaded, session, attention)
     doc_cache = document.cache()
     description = f"{', '.join(paths)} ({prompts[0].doc_end - prompts[0].doc_start:,} tokens)"
-    for i, prompt in enumerate(prompts):
-        t0 = time.perf_counter()
-        with prefill_progress(prompt.reusable, enabled=run.progress) as on_progress:
-            cached = read_document(session, prompt, identity, doc_cache, description, lambda m: _warn(m, run), on_progress)
-        read_seconds = time.perf_counter() - t0
-        if i and len(requests) > 1 and not run.json_out:
+    t0 = time.perf_counter()
+    with prefill_progress(prompts[0].reusable, enabled=run.progress) as on_progress:
+        cached = read_document(session, prompts[0], identity, doc_cache, description, lambda m: _warn(m, run), on_progress)
+    read_seconds = time.perf_counter() - t0
+    budget = min(max_new_tokens, session.max_length - max(len(p.ids) for p in prompts))
+    size = batch_size(session, prompts, budget, available_memory_bytes())
+    done = 0
+    while done < len(prompts):  # every prompt starts with the document, which the session now holds
+        if done and not run.json_out:
             sys.stdout.write("\n")
-        on_text = None if run.json_out else _write_stdout
-        budget = min(max_new_tokens, session.max_length - len(prompt.ids))
-        result = run_request(session, tok, prompt, doc, sampler, budget, on_text, cached, read_seconds)
-        _show_result(result, requests[i], loaded, run)
+        if size > 1:  # decoded together: each answer is shown when the batch is done
+            batch = prompts[done : done + size]
+            if run.progress:
+                err_console.print(f"[dim]answering {len(batch)} requests as one batch[/dim]")
+            results = run_batch(session, tok, batch, doc, sampler, budget, cached, read_seconds)
+        else:
+            on_text = None if run.json_out else _write_stdout
+            results = [run_request(session, tok, prompts[done], doc, sampler, budget, on_text, cached, read_seconds)]
+        for i, result in enumerate(results, done):
+            if i:  # the document was read (or restored) once, for the first request; later ones found it held
+                result.cached, result.read_seconds = True, 0.0
+            if not run.json_out:
+                if size > 1:
+                    sys.stdout.write(("\n" if i > done else "") + result.text)
+            _show_result(result, requests[i], loaded, run)
+        done += len(results)
 
 
 def _show_result(result, request: str, loaded, run: RunChoice) -> None:

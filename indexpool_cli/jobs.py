@@ -152,24 +152,44 @@ def rank_sources(evidence: AttentionEvidence, prompt: DocumentPrompt, document: 
             for i in order[:MAX_SOURCES] if masses[i] >= SOURCE_SHARE * best]
 
 
+def request_evidence(cache, prompt: DocumentPrompt) -> AttentionEvidence | None:
+    """Where a request's queries look inside the document (IndexPool sessions; None otherwise). The sinks and the
+    last tokens before a query draw attention whatever is asked: in a document long enough to have other places
+    to look, they are not evidence. In one many windows long the whole recent window is left out: its exact,
+    unremapped attention outweighs the far tokens' (benchmarks/grounding.py cited the document's last part every
+    time)."""
+    if not isinstance(cache, IndexPoolCache):
+        return None
+    n_doc = prompt.doc_end - prompt.doc_start
+    if n_doc <= EVIDENCE_MIN_DOCUMENT:
+        return AttentionEvidence(prompt.doc_start, prompt.doc_end, 0)
+    band = cache.settings.window if n_doc > 4 * cache.settings.window else EVIDENCE_LOCAL_BAND
+    return AttentionEvidence(max(prompt.doc_start, cache.settings.sinks), prompt.doc_end, band)
+
+
+def job_result(text: str, stats, prompt: DocumentPrompt, document: Document,
+               evidence: AttentionEvidence | None, with_sources: bool, cached: bool, read_seconds: float,
+               answer_seconds: float) -> JobResult:
+    result = JobResult(text, prompt_tokens=len(prompt.ids),
+                       document_tokens=prompt.doc_end - prompt.doc_start, new_tokens=stats.new_tokens, cached=cached,
+                       read_seconds=read_seconds, answer_seconds=answer_seconds, stop_reason=stats.stop_reason)
+    if evidence is not None:
+        result.sources = rank_sources(evidence, prompt, document)
+    elif with_sources:
+        result.notes.append("no sources: they come from IndexPool attention (this run used the model's own "
+                            "attention; --attention indexpool gives them on llama-family models)")
+    return result
+
+
 def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, sampler, max_new_tokens: int,
                 on_text: Callable[[str], None] | None, cached: bool, read_seconds: float,
                 with_sources: bool = True) -> JobResult:
-    """Append the request to the held document, generate, and collect sources (IndexPool sessions)."""
+    """Append the request to the held document, generate (streaming text to on_text), and collect sources."""
     from model.generate import GenerationStats
 
     cache = session.cache
-    evidence = None
-    if with_sources and isinstance(cache, IndexPoolCache):
-        # The sinks and the last tokens before a query draw attention whatever is asked: in a document long enough
-        # to have other places to look, they are not evidence. In one many windows long the whole recent window is
-        # left out: its exact, unremapped attention outweighs the far tokens' (benchmarks/grounding.py cited the
-        # document's last part every time).
-        n_doc = prompt.doc_end - prompt.doc_start
-        long_document = n_doc > EVIDENCE_MIN_DOCUMENT
-        band = cache.settings.window if n_doc > 4 * cache.settings.window else EVIDENCE_LOCAL_BAND
-        evidence = AttentionEvidence(max(prompt.doc_start, cache.settings.sinks) if long_document else prompt.doc_start,
-                                     prompt.doc_end, band if long_document else 0)
+    evidence = request_evidence(cache, prompt) if with_sources else None
+    if evidence is not None:
         cache.evidence = evidence
     stats = GenerationStats()
     decoder = tokenizer.stream_decoder()
@@ -177,8 +197,7 @@ def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, 
     t0 = time.perf_counter()
     try:
         for token in session.generate(prompt.ids, sampler, max_new_tokens, tokenizer.stop_ids, stats):
-            piece = decoder.push(token)
-            pieces.append(piece)
+            pieces.append(piece := decoder.push(token))
             if piece and on_text:
                 on_text(piece)
         pieces.append(tail := decoder.flush())
@@ -187,15 +206,40 @@ def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, 
     finally:
         if evidence is not None:
             cache.evidence = None
-    result = JobResult("".join(pieces), prompt_tokens=len(prompt.ids), document_tokens=prompt.doc_end - prompt.doc_start,
-                       new_tokens=stats.new_tokens, cached=cached, read_seconds=read_seconds,
-                       answer_seconds=time.perf_counter() - t0, stop_reason=stats.stop_reason)
-    if evidence is not None:
-        result.sources = rank_sources(evidence, prompt, document)
-    elif with_sources:
-        result.notes.append("no sources: they come from IndexPool attention (this run used the model's own "
-                            "attention; --attention indexpool gives them on llama-family models)")
-    return result
+    return job_result("".join(pieces), stats, prompt, document, evidence, with_sources, cached, read_seconds,
+                      time.perf_counter() - t0)
+
+
+MAX_BATCH = 16  # branches per batch: each step's cost grows with the batch once the weights are amortised
+
+
+def batch_size(session, prompts: list[DocumentPrompt], max_new_tokens: int, available_bytes: int | None) -> int:
+    """How many requests to decode together: all of them (up to MAX_BATCH) when the session can branch them
+    and their buffers fit in half the memory available; 1 (one after another) otherwise."""
+    from model.indexpool_branches import bytes_per_branch
+
+    ids = [p.ids for p in prompts]
+    if len(prompts) < 2 or not session.can_branch(ids, max_new_tokens):
+        return 1
+    capacity = max(len(i) for i in ids) - len(session.tokens) + max_new_tokens
+    fits = len(prompts) if available_bytes is None else available_bytes // 2 // bytes_per_branch(session.cache, capacity)
+    return max(1, min(len(prompts), MAX_BATCH, fits))
+
+
+def run_batch(session, tokenizer, prompts: list[DocumentPrompt], document: Document, sampler, max_new_tokens: int,
+              cached: bool, read_seconds: float) -> list[JobResult]:
+    """Requests on the held document decoded together as branches (`Session.generate_branches`); answer seconds
+    are each request's reading plus the batch's decoding."""
+    evidence = [request_evidence(session.cache, p) for p in prompts]
+    outputs = session.generate_branches([p.ids for p in prompts], sampler, max_new_tokens, tokenizer.stop_ids,
+                                        evidence)
+    results = []
+    for (tokens, stats), prompt, found in zip(outputs, prompts, evidence):
+        decoder = tokenizer.stream_decoder()
+        text = "".join(decoder.push(token) for token in tokens) + decoder.flush()
+        results.append(job_result(text, stats, prompt, document, found, True, cached, read_seconds,
+                                  stats.prefill_seconds + stats.decode_seconds))
+    return results
 
 
 def ask_request(question: str) -> str:

@@ -9,7 +9,8 @@ from typing import Callable, Iterator
 import torch
 
 from .indexers import Indexer, TrainingFreeIndexer
-from .indexpool_cache import IndexPoolCache, IndexPoolConfig
+from .indexpool_branches import IndexPoolBranches, max_branch_tokens
+from .indexpool_cache import AttentionEvidence, IndexPoolCache, IndexPoolConfig
 from .llama import KVCache, Transformer
 
 
@@ -175,3 +176,74 @@ class Session:
             self.tokens.append(token_id)
             token = sampler(logits)
         stats.decode_seconds = time.perf_counter() - t0
+
+    def _branch_point(self, prompts: list[list[int]]) -> int:
+        """How many held tokens every prompt starts with (each keeps at least one token of its own), down to a
+        pool boundary."""
+        n = len(self.tokens)
+        for prompt in prompts:
+            n = min(n, len(prompt) - 1)
+            while n and prompt[:n] != self.tokens[:n]:
+                n = next(i for i, (a, b) in enumerate(zip(prompt, self.tokens)) if a != b)
+        return n - n % self.cache.settings.kpool if isinstance(self.cache, IndexPoolCache) else n
+
+    def can_branch(self, prompts: list[list[int]], max_new_tokens: int) -> bool:
+        """Whether `generate_branches` can run these prompts as one batch: an IndexPool session holding tokens
+        they all start with, and room for each branch's own tokens (`max_branch_tokens`)."""
+        if not isinstance(self.cache, IndexPoolCache) or not prompts:
+            return False
+        n = self._branch_point(prompts)
+        return n > 0 and max(len(p) for p in prompts) - n + max_new_tokens <= max_branch_tokens(self.cache)
+
+    @torch.inference_mode()
+    def generate_branches(self, prompts: list[list[int]], sampler: Sampler, max_new_tokens: int,
+                          stop_ids: frozenset[int] | set[int] = frozenset(),
+                          evidence: list[AttentionEvidence | None] | None = None) -> list[tuple[list[int], GenerationStats]]:
+        """Continue several prompts that start with tokens held (questions on a held document), decoding them as
+        one batch (`model/indexpool_branches.py`); see `can_branch`. Each prompt's own tokens are read one prompt
+        at a time (each question selects for itself); then every step feeds all unfinished branches together.
+        The session holds the shared tokens again afterwards. Returns each prompt's new tokens and stats (decode
+        seconds are the batch's)."""
+        if not self.can_branch(prompts, max_new_tokens):
+            raise ValueError("these prompts cannot be decoded as branches of the tokens held")
+        shared = self.tokens[: self.cache.truncate(self._branch_point(prompts))]
+        self.tokens = shared
+        capacity = max(len(p) for p in prompts) - len(shared) + max_new_tokens
+        branches = IndexPoolBranches(self.cache, len(prompts), capacity)
+        evidence = evidence or [None] * len(prompts)
+        stats, first_logits = [GenerationStats(prompt_tokens=len(p)) for p in prompts], []
+        for b, prompt in enumerate(prompts):
+            t0 = time.perf_counter()
+            self.cache.evidence = evidence[b]
+            try:
+                first_logits.append(self.prefill(prompt))
+            finally:
+                self.cache.evidence = None
+            branches.take_branch(b)
+            self.tokens = list(shared)
+            stats[b].prefill_seconds = time.perf_counter() - t0
+        branches.evidence = evidence
+        new: list[list[int]] = [[] for _ in prompts]
+        token = sampler(torch.cat(first_logits))  # (B,): one per live branch
+        live = list(range(len(prompts)))
+        t0 = time.perf_counter()
+        for step in range(max_new_tokens):
+            keep = []
+            for row, b in enumerate(live):
+                if int(token[row]) in stop_ids:
+                    stats[b].stop_reason = "stop_token"
+                else:
+                    new[b].append(int(token[row]))
+                    keep.append(row)
+            live = [live[row] for row in keep]
+            if not live or step == max_new_tokens - 1:
+                break
+            branches.live = torch.tensor(live)
+            fed = token[keep].view(-1, 1)
+            token = sampler(self.model(fed, 0, branches)[:, -1])
+        seconds = time.perf_counter() - t0
+        for b in range(len(prompts)):
+            stats[b].new_tokens = len(new[b])
+            stats[b].stop_reason = stats[b].stop_reason or "max_new_tokens"
+            stats[b].decode_seconds = seconds
+        return list(zip(new, stats))

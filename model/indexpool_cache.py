@@ -414,13 +414,14 @@ class IndexPoolCache:
                                 query_block=self.query_block, k_scale=scales[0], v_scale=scales[1])
 
     def _add_evidence(self, layer, parts, q_rows, window_end, far, far_k, q_blocks) -> None:
-        """Each attended token's attention probability, from the logits recomputed against the whole forward's
-        log-sum-exp (short forwards only: a question, an answer token)."""
+        """Each attended token's attention probability, from the logits recomputed (products in the cache's dtype,
+        fp32 after: converting every gathered key to fp32 first doubled a question's reading time) against the
+        whole forward's log-sum-exp (short forwards only: a question, an answer token)."""
         KV, D = self.n_kv_heads, self.head_dim
         lse = torch.stack([part_lse for _, part_lse in parts]).logsumexp(dim=0)[0]  # (KV, rows)
         if window_end > self.ws:
             keys = self.recent_k[layer, :, self.ws - self.recent_start : window_end - self.recent_start]
-            logits = (q_rows[0].float() @ keys.float().transpose(-1, -2)) * D**-0.5  # (KV, rows, W)
+            logits = (q_rows[0] @ keys.transpose(-1, -2)).float() * D**-0.5  # (KV, rows, W)
             positions = torch.arange(self.ws, window_end, device=logits.device)
             query_positions = self.positions.repeat_interleave(self.n_heads // KV)
             local = positions[None, :] > query_positions[:, None] - self.evidence.local_band
@@ -431,9 +432,19 @@ class IndexPoolCache:
             # The forward's rows in block order; padded rows get +inf, so they add nothing.
             lse_blocks = F.pad(lse, (0, n_blocks * rows - lse.shape[1]), value=float("inf"))
             lse_blocks = lse_blocks.view(KV, n_blocks, rows).transpose(0, 1)
-            logits = (q_blocks.float() @ far_k.float().permute(0, 2, 3, 1)) * D**-0.5  # (n_blocks, KV, rows, N)
-            mass = (logits - lse_blocks[..., None]).exp().sum(dim=(1, 2))  # (n_blocks, N)
-            self.evidence.add(far.flatten(), mass.flatten())
+            self.evidence.add(far.flatten(), gathered_key_mass(q_blocks, far_k, lse_blocks).flatten())
+
+
+def gathered_key_mass(q: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Attention probability of each gathered key, summed over the query rows: q (B, KV, R, D) rows per KV head,
+    keys (B, N, KV, D) as gathered (rotated), lse (B, KV, R) of the rows' whole attention; returns (B, N) fp32.
+    The logits are one matmul against block-diagonal queries (each row's query in its KV head's slice, zeros
+    elsewhere), so the keys are read in their gathered layout instead of being copied into a per-head one."""
+    B, KV, R, D = q.shape
+    blocks = torch.eye(KV, dtype=q.dtype, device=q.device).view(1, KV, 1, KV, 1)
+    q_blocks = (q[:, :, :, None, :] * blocks).reshape(B, KV * R, KV * D)
+    logits = torch.bmm(keys.reshape(B, keys.shape[1], KV * D), q_blocks.transpose(1, 2)).float() * D**-0.5
+    return (logits - lse.reshape(B, 1, KV * R)).exp().sum(dim=-1)
 
 
 class AttentionEvidence:
@@ -455,18 +466,22 @@ class AttentionEvidence:
         return float(self.mass[max(0, start - self.start) : max(0, end - self.start)].sum())
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention (B, heads, L, D) and the fp32 log-sum-exp of its scaled logits (B, heads, L), so that
     attention over a union of key sets can be merged from its parts. causal: query i sees keys 0..i (L == S).
+    mask: an additive fp32 mask broadcastable to (B, heads, L, S); a row must see at least one key.
     On the CPU, PyTorch's flash kernel returns both; elsewhere this is the plain fp32 reference."""
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal,
+                                                                              attn_mask=mask)
         return out, lse
     logits = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
     if causal:
         hidden = torch.ones(logits.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
         logits = logits.masked_fill(hidden, float("-inf"))
+    if mask is not None:
+        logits = logits + mask
     lse = logits.logsumexp(dim=-1)
     return ((logits - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
 

@@ -41,6 +41,13 @@ BF16_STORED = ("key_gate_proj", "query_proj")  # the large projections; see roun
 SHIPPED = {"Smollm2 135M 8k Lc100K Mix1 Ep2": "smollm2-135m-instruct.lightning.safetensors"}
 
 
+def _mask_pools(scores: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    """scores (B, T, P) with the pools at or past each query's limit (B, T) set to -inf (a sum of ReLUs has no
+    normalization to redo, so masking after scoring is exact)."""
+    hidden = torch.arange(scores.shape[-1], device=scores.device) >= limits[..., None]
+    return scores.masked_fill(hidden, float("-inf"))
+
+
 @dataclass(frozen=True)
 class ModelFingerprint:
     """What identifies the model an indexer was distilled from: a file of another size or shape is another model."""
@@ -102,8 +109,9 @@ class LightningIndexer(nn.Module):
         weights = F.linear(x.float(), self.weight_proj[layer]) * self.heads**-0.5
         return index_q, weights
 
-    def score(self, layer: int, q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        """fp32 scores (B, T, P). The big matmul runs in the pooled keys' dtype (bf16) with the pooled keys as the
+    def score(self, layer: int, q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor,
+              limits: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 scores (B, T, P); limits (B, T): pools each query may see, the rest -inf. The big matmul runs in the pooled keys' dtype (bf16) with the pooled keys as the
         left operand: it streams them once for all heads and queries (a decode step at 262,144 pools: 4 ms on one
         core, against 93 ms for a head-by-head (H, d) x (d, P) product). Then each query's weighted sum over its
         heads, in fp32, is one matmul with a block-diagonal (T * H, T) matrix. Queries go in chunks of at most 16,
@@ -117,7 +125,8 @@ class LightningIndexer(nn.Module):
 
             # Every pool handed in is scored: positions past the last one make them all visible.
             everything = torch.full(q.shape[:2], pooled.shape[1] * self.kpool, dtype=torch.long, device=q.device)
-            return index_scores(q.to(pooled.dtype), weights, pooled, everything, self.kpool)
+            scores = index_scores(q.to(pooled.dtype), weights, pooled, everything, self.kpool)
+            return scores if limits is None else _mask_pools(scores, limits)
         B, T, H, _ = q.shape
         head_weights = weights.float() * self.key_dim**-0.5
         parts = []
@@ -128,7 +137,8 @@ class LightningIndexer(nn.Module):
             eye = torch.eye(n, device=q.device)
             block_weights = (head_weights[:, start : start + n, :, None] * eye[:, None, :]).reshape(B, n * H, n)
             parts.append(torch.matmul(logits, block_weights).transpose(1, 2))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return scores if limits is None else _mask_pools(scores, limits)
 
     def round_to_storage_(self) -> LightningIndexer:
         """Round the projections to bf16 in place, as `save` stores them: they run in bf16 at inference anyway,

@@ -89,6 +89,19 @@ def test_several_questions_read_the_document_once(report, tmp_path):
     assert results[1]["timings"]["read_seconds"] < results[0]["timings"]["read_seconds"]
 
 
+def test_questions_answered_as_one_batch_match_one_by_one(report):
+    """Several questions decode as branches of the held document; each answer and its sources are those the
+    question gets asked alone."""
+    questions = [QUESTION, "What is the glass tower?", "What does the pass statement do?"]
+    args = ("--json", "--quiet", "--no-cache", "-n", "16")
+    out = ok(indexpool("ask", str(report), questions[0], "-Q", questions[1], "-Q", questions[2], *args))
+    batched = [json.loads(line) for line in out.splitlines()]
+    alone = [json.loads(ok(indexpool("ask", str(report), q, *args))) for q in questions]
+    assert [r["text"] for r in batched] == [r["text"] for r in alone]
+    assert [[s["cite"] for s in r["sources"]] for r in batched] == [[s["cite"] for s in r["sources"]] for r in alone]
+    assert "41729" in batched[0]["text"]
+
+
 def test_ask_reads_stdin(report):
     out = ok(indexpool("ask", "-", QUESTION, "--quiet", "--no-cache", "-n", "24", stdin=report.read_bytes()))
     assert "41729" in out

@@ -1,0 +1,85 @@
+"""Dynamic batching: 8 questions on one held document, answered one after another and then as one batch of
+branches (`Session.generate_branches`), in one process on the same read document.
+
+The document is Python's own documentation (`pydoc_data.topics`, about `--length` tokens); it is read once, then
+both ways answer the same questions greedily with up to `-n` new tokens each. Prints each way's wall time (the
+questions' reading and the answers), the ratio, and whether the answers and their sources are the same.
+
+    .venv/bin/python benchmarks/batching.py --length 32768 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+QUESTIONS = ["What does the pass statement do?", "What is a lambda expression?", "What does the with statement do?",
+             "What does the global statement do?", "What is the assert statement for?",
+             "What does a yield expression do?", "What does the break statement do?", "What does the del statement do?"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--length", type=int, default=32768, help="document tokens (about)")
+    parser.add_argument("--questions", type=int, default=8)
+    parser.add_argument("-n", "--max-new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+
+    import pydoc_data.topics
+
+    from indexpool_cli.attention import AttentionChoice, open_session
+    from indexpool_cli.ingest import IngestOptions, load_document
+    from indexpool_cli.jobs import (DocumentTokens, ask_request, batch_size, document_prompt, request_messages,
+                                    run_batch, run_request)
+    from model.generate import Sampler, SamplingParams
+    from model.runtime import load_engine, set_threads
+
+    threads = set_threads(args.threads)
+    loaded = load_engine(None)
+    tok = loaded.tokenizer
+    text = "\n\n".join(pydoc_data.topics.topics.values())
+    text = (text * (args.length * 4 // len(text) + 1))[: args.length * 4]
+    questions = (QUESTIONS * (args.questions // len(QUESTIONS) + 1))[: args.questions]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "manual.txt"
+        path.write_text(text)
+        document = load_document([str(path)], IngestOptions(), None)
+    tokens = DocumentTokens.encode(tok, document)
+    prompts = [document_prompt(tok, tokens, request_messages(ask_request(q))) for q in questions]
+    n = args.max_new_tokens
+    session = open_session(loaded, AttentionChoice(), max(len(p.ids) for p in prompts) + n, auto="indexpool")
+    t0 = time.perf_counter()
+    session.prefill(prompts[0].ids[: prompts[0].reusable], query_tail=False)
+    read = time.perf_counter() - t0
+    greedy = Sampler(SamplingParams(temperature=0))
+
+    t0 = time.perf_counter()
+    alone = [run_request(session, tok, p, document, greedy, n, None, False, 0.0) for p in prompts]
+    one_by_one = time.perf_counter() - t0
+    size = batch_size(session, prompts, n, None)
+    t0 = time.perf_counter()
+    batched = []
+    for start in range(0, len(prompts), size):
+        batched += run_batch(session, tok, prompts[start : start + size], document, greedy, n, False, 0.0)
+    together = time.perf_counter() - t0
+
+    print(f"document: {prompts[0].doc_end - prompts[0].doc_start:,} tokens, read in {read:.1f} s; "
+          f"{len(prompts)} questions, up to {n} new tokens each; threads {threads}; batch size {size}")
+    print(f"{'way':>12} {'wall s':>8} {'new tokens':>11} {'questions read s':>17}")
+    for name, seconds, results in (("one by one", one_by_one, alone), ("batched", together, batched)):
+        reading = sum(r.answer_seconds for r in results) if name == "one by one" else float("nan")
+        print(f"{name:>12} {seconds:8.1f} {sum(r.new_tokens for r in results):11d} {reading:17.1f}")
+    print(f"one by one / batched: {one_by_one / together:.2f}x")
+    same_text = sum(a.text == b.text for a, b in zip(alone, batched))
+    same_sources = sum([s["cite"] for s in a.sources] == [s["cite"] for s in b.sources] for a, b in zip(alone, batched))
+    print(f"same answer: {same_text}/{len(prompts)}; same sources: {same_sources}/{len(prompts)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Branches: several continuations of one held document decoded as one batch must attend exactly as each would
+alone in the IndexPool cache (same selections, positions and evidence), on a tiny random fp32 model."""
+
+import pytest
+import torch
+
+from model.generate import Sampler, SamplingParams, Session
+from model.indexers import TrainingFreeIndexer
+from model.indexpool_branches import IndexPoolBranches
+from model.indexpool_cache import AttentionEvidence, IndexPoolConfig
+from tests.test_indexpool_cache import CONFIG, prompts_for, tiny_model
+
+# A window wide enough for branches of up to 20 tokens; past the 64-token context at a 120-token document.
+SETTINGS = dict(kpool=4, topk=8, window=24, sinks=4, segment=16, query_tokens=6)
+
+
+def sequential_logits(model, session, prompt, forced):
+    """Logits of reading `prompt` after the held document, then of each forced token, one sequence alone."""
+    held = list(session.tokens)
+    logits = [session.prefill(prompt)]
+    for i, token in enumerate(forced):
+        logits.append(model(torch.tensor([[token]]), len(prompt) + i, session.cache)[:, -1])
+    session.cache.truncate(len(held))
+    session.tokens = held
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("document_length", [120, 36, 60, 12])
+def test_branches_attend_as_each_branch_alone(document_length):
+    """120: every branch selects far pools at remapped positions; 36: everything before each window is taken;
+    60: branches of different lengths straddle both cases in one batch; 12: some branches' windows start at 0
+    (no far tokens at all) while others' do not."""
+    model = tiny_model(3)
+    session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
+    document = prompts_for(5, [document_length])[0]
+    session.prefill(document, query_tail=False)
+    generator = torch.Generator().manual_seed(9)
+    suffixes = [torch.randint(0, CONFIG.vocab_size, (n,), generator=generator).tolist() for n in (3, 9, 1, 14)]
+    forced = [torch.randint(0, CONFIG.vocab_size, (5,), generator=generator).tolist() for _ in suffixes]
+    expected = [sequential_logits(model, session, document + s, f) for s, f in zip(suffixes, forced)]
+
+    branches = IndexPoolBranches(session.cache, len(suffixes), capacity=20)
+    got = [[] for _ in suffixes]
+    with torch.inference_mode():
+        for b, suffix in enumerate(suffixes):
+            got[b].append(session.prefill(document + suffix))
+            branches.take_branch(b)
+            session.tokens = list(document)
+        for step in range(5):
+            logits = model(torch.tensor([[f[step]] for f in forced]), 0, branches)[:, -1]
+            for b in range(len(suffixes)):
+                got[b].append(logits[b : b + 1])
+    for b in range(len(suffixes)):
+        torch.testing.assert_close(torch.cat(got[b]), expected[b], atol=2e-5, rtol=1e-5)
+    assert session.cache.length == document_length  # the document is held as before
+
+
+def test_only_live_branches_are_fed_and_evidence_matches():
+    """A branch that stopped is left out of later steps (the others go on unchanged), and each branch's evidence
+    equals what the same tokens collect alone."""
+    model = tiny_model(4)
+    session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
+    document = prompts_for(6, [120])[0]
+    session.prefill(document, query_tail=False)
+    suffixes, forced = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+
+    def evidence():
+        return AttentionEvidence(4, 120, local_band=6)
+
+    alone = []
+    for s, f in zip(suffixes, forced):
+        session.cache.evidence = alone_evidence = evidence()
+        expected = sequential_logits(model, session, document + s, f if s != suffixes[1] else f[:1])
+        session.cache.evidence = None
+        alone.append((expected, alone_evidence))
+
+    branches = IndexPoolBranches(session.cache, 3, capacity=10)
+    branches.evidence = [evidence() for _ in suffixes]
+    got = [[] for _ in suffixes]
+    with torch.inference_mode():
+        for b, s in enumerate(suffixes):
+            session.cache.evidence = branches.evidence[b]
+            got[b].append(session.prefill(document + s))
+            session.cache.evidence = None
+            branches.take_branch(b)
+            session.tokens = list(document)
+        for step in range(3):
+            live = [0, 1, 2] if step == 0 else [0, 2]  # branch 1 stops after its first forced token
+            branches.live = torch.tensor(live)
+            logits = model(torch.tensor([[forced[b][step]] for b in live]), 0, branches)[:, -1]
+            for row, b in enumerate(live):
+                got[b].append(logits[row : row + 1])
+    for b, (expected, alone_evidence) in enumerate(alone):
+        torch.testing.assert_close(torch.cat(got[b]), expected, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(branches.evidence[b].mass, alone_evidence.mass, atol=1e-5, rtol=1e-4)
+        assert alone_evidence.mass.sum() > 0
+
+
+def test_generate_branches_gives_each_prompt_its_greedy_continuation():
+    model = tiny_model(5)
+    session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
+    document = prompts_for(7, [100])[0]
+    session.prefill(document, query_tail=False)
+    prompts = [document + [3, 1, 4], document + [1, 5], document + [9, 2, 6, 5, 3]]
+    greedy = Sampler(SamplingParams(temperature=0))
+    expected = []
+    for prompt in prompts:
+        expected.append(list(session.generate(prompt, greedy, 8, stop_ids={7})))
+        session.cache.truncate(len(document))
+        session.tokens = list(document)
+    results = session.generate_branches(prompts, greedy, 8, stop_ids={7})
+    assert [tokens for tokens, _ in results] == expected
+    assert [stats.new_tokens for _, stats in results] == [len(e) for e in expected]
+    assert session.tokens == document and session.cache.length == len(document)
+
+
+def test_branches_that_could_reach_their_own_tokens_are_refused():
+    """A branch longer than window - kpool would select pools of its own tokens, which only the base cache holds
+    for one sequence: refused, and the session says it cannot branch."""
+    model = tiny_model(6)
+    session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
+    document = prompts_for(8, [100])[0]
+    session.prefill(document, query_tail=False)
+    assert session.can_branch([document + [1, 2]], 18)
+    assert not session.can_branch([document + [1, 2]], 19)
+    assert not session.can_branch([[(document[0] + 1) % CONFIG.vocab_size] + document], 4)  # shares nothing held
+    assert session.can_branch([document[:50] + [1]], 4)  # branches from the 48 tokens (a pool boundary) it shares
+    with pytest.raises(ValueError, match="at most 20"):
+        IndexPoolBranches(session.cache, 2, capacity=21)
+    dense = Session(model, 256)
+    dense.prefill(document)
+    assert not dense.can_branch([document + [1]], 4)
+
+
+def test_training_free_scores_mask_pools_past_each_limit():
+    """A query's softmax runs over the pools it may see only: equal to scoring that prefix alone."""
+    indexer = TrainingFreeIndexer(CONFIG)
+    torch.manual_seed(0)
+    q = torch.randn(1, 3, CONFIG.n_heads, CONFIG.head_dim)
+    weights = torch.rand(1, 3, CONFIG.n_heads)
+    pooled = torch.randn(1, 11, CONFIG.kv_dim)
+    limits = torch.tensor([[11, 4, 7]])
+    scores = indexer.score(0, q, weights, pooled, limits)
+    for t, limit in enumerate(limits[0].tolist()):
+        alone = indexer.score(0, q[:, t : t + 1], weights[:, t : t + 1], pooled[:, :limit])[0, 0]
+        torch.testing.assert_close(scores[0, t, :limit], alone)
+        assert torch.isinf(scores[0, t, limit:]).all()
+    # Against the definition: per head, softmax over pools of q . (its KV head's slice of the pooled key).
+    D, G = CONFIG.head_dim, CONFIG.n_heads // CONFIG.n_kv_heads
+    keys = pooled[0].view(11, CONFIG.n_kv_heads, D)
+    logits = torch.einsum("thd,phd->thp", q[0], keys.repeat_interleave(G, dim=1)) * D**-0.5
+    reference = (weights[0, :, :, None] * logits.softmax(-1)).sum(1)
+    torch.testing.assert_close(indexer.score(0, q, weights, pooled)[0], reference, atol=1e-6, rtol=1e-5)
