@@ -337,7 +337,7 @@ DOCUMENT_CHAT_TOKENS = 65536  # room for a conversation about a document, on top
 def ask(
     path: Annotated[str, typer.Argument(help="A file, a folder, or '-' for stdin.")],
     question: Annotated[Optional[str], typer.Argument(help="The question.")] = None,
-    questions: Annotated[Optional[list[str]], typer.Option("--question", "-Q", help="More questions on the same document (repeatable); it is read once.")] = None,
+    questions: Annotated[Optional[list[str]], typer.Option("--question", "-Q", help="More questions on the same document (repeatable): it is read once, and the questions decode as one batch.")] = None,
     max_new_tokens: MaxNewOpt = 200,
     run: RunChoice = None,
     sampling: SamplingChoice = None,

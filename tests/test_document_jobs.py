@@ -91,9 +91,10 @@ def test_several_questions_read_the_document_once(report, tmp_path):
 
 def test_questions_answered_as_one_batch_match_one_by_one(report):
     """Several questions decode as branches of the held document; each answer and its sources are those the
-    question gets asked alone."""
+    question gets asked alone. In fp32: in bf16 the batch's kernels round differently from one question's (other
+    matmul shapes, bf16 weights for more than four rows), which can flip a near-tied greedy choice."""
     questions = [QUESTION, "What is the glass tower?", "What does the pass statement do?"]
-    args = ("--json", "--quiet", "--no-cache", "-n", "16")
+    args = ("--json", "--quiet", "--no-cache", "-n", "16", "--dtype", "fp32")
     out = ok(indexpool("ask", str(report), questions[0], "-Q", questions[1], "-Q", questions[2], *args))
     batched = [json.loads(line) for line in out.splitlines()]
     alone = [json.loads(ok(indexpool("ask", str(report), q, *args))) for q in questions]
