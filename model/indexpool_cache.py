@@ -421,7 +421,8 @@ class IndexPoolCache:
         lse = torch.stack([part_lse for _, part_lse in parts]).logsumexp(dim=0)[0]  # (KV, rows)
         if window_end > self.ws:
             keys = self.recent_k[layer, :, self.ws - self.recent_start : window_end - self.recent_start]
-            logits = (q_rows[0] @ keys.transpose(-1, -2)).float() * D**-0.5  # (KV, rows, W)
+            # keys @ q^T reads the window's keys where they lie; q @ keys^T copied them into a transposed layout.
+            logits = (keys @ q_rows[0].transpose(-1, -2)).transpose(-1, -2).float() * D**-0.5  # (KV, rows, W)
             positions = torch.arange(self.ws, window_end, device=logits.device)
             query_positions = self.positions.repeat_interleave(self.n_heads // KV)
             local = positions[None, :] > query_positions[:, None] - self.evidence.local_band
@@ -456,11 +457,31 @@ class AttentionEvidence:
     def __init__(self, start: int, end: int, local_band: int = 0):
         self.start, self.end = start, end
         self.local_band = local_band  # keys this close before a query are local context, not evidence
-        self.mass = torch.zeros(max(0, end - start))
+        self._mass = torch.zeros(max(0, end - start))
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def add(self, positions: torch.Tensor, mass: torch.Tensor) -> None:
-        inside = (positions >= self.start) & (positions < self.end)
-        self.mass.index_add_(0, positions[inside] - self.start, mass[inside].float().to(self.mass.device))
+        """Kept as given and summed in batches (when `mass` is read, or every PENDING_ADDS adds, which bounds the
+        memory held): a masked scatter per add cost a decode step ~1 ms per layer."""
+        self._pending.append((positions.reshape(-1), mass.reshape(-1).float()))
+        if len(self._pending) >= self.PENDING_ADDS:
+            self._flush()
+
+    PENDING_ADDS = 256
+
+    @property
+    def mass(self) -> torch.Tensor:
+        """(end - start,) fp32: the attention probability summed on each token of the span."""
+        self._flush()
+        return self._mass
+
+    def _flush(self) -> None:
+        if self._pending:
+            positions = torch.cat([p.to(self._mass.device) for p, _ in self._pending])
+            mass = torch.cat([m.to(self._mass.device) for _, m in self._pending])
+            self._pending.clear()
+            inside = (positions >= self.start) & (positions < self.end)
+            self._mass.index_add_(0, positions[inside] - self.start, mass[inside])
 
     def span_mass(self, start: int, end: int) -> float:
         return float(self.mass[max(0, start - self.start) : max(0, end - self.start)].sum())
