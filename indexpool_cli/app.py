@@ -116,9 +116,24 @@ class DocumentChoice:
         return document
 
     def cache(self):
-        from model.tensor_cache import TensorCache, default_cache_dir
+        from model.tensor_cache import TensorCache
 
-        return TensorCache(self.cache_dir or default_cache_dir("documents")) if self.doc_cache else None
+        return TensorCache(cache_directory(self.cache_dir)) if self.doc_cache else None
+
+    def results(self):
+        """Where results from a server (--backend openai) are kept: beside the read documents."""
+        from .remote import ResultCache
+
+        return ResultCache(cache_directory(self.cache_dir) / REMOTE_RESULTS) if self.doc_cache else None
+
+
+REMOTE_RESULTS = "remote-results"  # a folder of the document cache directory
+
+
+def cache_directory(given: Path | None) -> Path:
+    from model.tensor_cache import default_cache_dir
+
+    return given or default_cache_dir("documents")
 
 
 def _load(run: RunChoice):
@@ -251,7 +266,10 @@ def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, ru
                 sys.stdout.write(result.text)
             _show_result(result, requests[i], served, run)
 
-        run_remote_job(doc, requests, max_new_tokens, remote, sampling.temperature, show, kind)
+        from .remote import sampling_fields
+
+        fields = sampling_fields(sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed)
+        run_remote_job(doc, requests, max_new_tokens, remote, fields, show, kind, document.results())
         return
     sampler = sampling.sampler()
     loaded = loaded or _load(run)
@@ -507,9 +525,9 @@ CacheDirOpt = Annotated[Optional[Path], typer.Option("--cache-dir", help="Docume
 @cache_app.command("list")
 def cache_list(cache_dir: CacheDirOpt = None, json_out: JsonOpt = False):
     """List cached documents, most recently used first."""
-    from model.tensor_cache import TensorCache, default_cache_dir
+    from model.tensor_cache import TensorCache
 
-    cache = TensorCache(cache_dir or default_cache_dir("documents"))
+    cache = TensorCache(cache_directory(cache_dir))
     entries = cache.entries()
     if json_out:
         for e in entries:
@@ -526,11 +544,14 @@ def cache_list(cache_dir: CacheDirOpt = None, json_out: JsonOpt = False):
 
 @cache_app.command("clear")
 def cache_clear(cache_dir: CacheDirOpt = None):
-    """Delete every cached document."""
-    from model.tensor_cache import TensorCache, default_cache_dir
+    """Delete every cached document, and the results kept from servers (--backend openai)."""
+    from model.tensor_cache import TensorCache
 
-    cache = TensorCache(cache_dir or default_cache_dir("documents"))
+    cache = TensorCache(cache_directory(cache_dir))
     freed = cache.clear()
+    for kept in (cache.directory / REMOTE_RESULTS).glob("*.json"):
+        freed += kept.stat().st_size
+        kept.unlink()
     err_console.print(f"freed {freed / 2**20:.1f} MiB in {cache.directory}", markup=False)
 
 

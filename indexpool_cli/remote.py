@@ -10,13 +10,20 @@ Context budgeting: the server's context length comes from `--context-length`, el
 report `max_model_len`), else llama.cpp's `/props`, else from the server's own refusal of a request that was too
 long. A document that fits is read in a single pass; one that does not is read hierarchically: sections that fit
 are answered concurrently, then their answers together (in more levels when even those do not fit). Each result's
-notes say which strategy ran. A remote server gives no attention evidence, so there are no sources.
+notes say which strategy ran. A remote server gives no attention evidence: an answer's sources are the parts of the
+document whose wording it repeats (`matched_sources`).
+
+Results are kept (`ResultCache`, under the document cache's directory) when the request is reproducible (greedy or
+seeded): the same request on the same document, server, model and sampling is answered from it without a call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import http.client
+import os
+import tempfile
 import json
 import math
 import re
@@ -32,7 +39,7 @@ import typer
 
 from .console import InputError
 from .ingest import Document, Part
-from .jobs import DOCUMENT_MARK, JobResult, request_messages, split_sections
+from .jobs import DOCUMENT_MARK, MAX_SOURCES, SOURCE_SHARE, JobResult, request_messages, split_sections
 
 BACKENDS = ("local", "openai")
 JOB_KINDS = {"ask": "Answer from", "summarize": "Summary of"}  # kind -> label of a section's result in a later level
@@ -44,7 +51,8 @@ BACKOFF_SECONDS = 0.5  # first wait before a retry; doubled each time, capped at
 BACKOFF_CAP = 8.0
 RETRY_STATUSES = (429, 502, 503, 504)
 STOP_REASONS = {"stop": "stop_token", "length": "max_new_tokens"}  # OpenAI finish_reason -> ours
-NO_SOURCES_NOTE = "no sources from a remote server: they come from the local engine's attention (--backend local)"
+SOURCES_NOTE = ("sources: the parts whose wording the answer repeats (a remote server gives no attention evidence, "
+                "from which the local engine cites)")
 # How servers word a refusal of a request longer than their context, and where they put the context length.
 CONTEXT_WORDS = re.compile(r"context|too long|maximum .*length|max_model_len|n_ctx", re.IGNORECASE)
 CONTEXT_LIMIT = re.compile(r"(?:maximum context length is|context window of|context length of|max_model_len"
@@ -198,9 +206,10 @@ class OpenAIClient:
                     return len(data["tokens"])
         return None
 
-    def chat(self, model: str, messages: list[dict], max_tokens: int, temperature: float) -> Completion:
-        body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-                "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+    def chat(self, model: str, messages: list[dict], max_tokens: int, sampling: dict) -> Completion:
+        """sampling: the request's sampling fields (`sampling_fields`)."""
+        body = {"model": model, "messages": messages, "max_tokens": max_tokens, **sampling,
+                "stream": True, "stream_options": {"include_usage": True}}
         try:
             return self._call(lambda: self._stream(body))
         except _EmptyStream:
@@ -430,14 +439,19 @@ class RemoteJob:
     """The requests of one document job on one server: single pass when the document fits, else hierarchical."""
 
     def __init__(self, client: OpenAIClient, model: ServerModel, document: Document, max_new_tokens: int,
-                 temperature: float, kind: str, max_concurrency: int):
+                 sampling: dict, kind: str, max_concurrency: int, results: ResultCache | None = None,
+                 server: str = ""):
         if kind not in JOB_KINDS:
             raise ValueError(f"kind must be one of {', '.join(JOB_KINDS)}, not {kind!r}")
         self.client = client
         self.model = model
         self.document = document
         self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
+        self.sampling = sampling
+        # Only a reproducible request (greedy, or seeded) is answered from the result cache.
+        self.results = results if sampling.get("temperature") == 0 or sampling.get("seed") is not None else None
+        self.identity = {"server": server, "model": model.name, "kind": kind, "max_new_tokens": max_new_tokens,
+                         "sampling": sampling, "document": hashlib.sha256(document.text.encode()).hexdigest()}
         self.label = JOB_KINDS[kind]
         self.calls = ThreadPoolExecutor(max_concurrency, thread_name_prefix="indexpool-remote")
         self.max_concurrency = max_concurrency
@@ -456,7 +470,7 @@ class RemoteJob:
         document's text in its place."""
         messages = [{**message, "content": message["content"].replace(DOCUMENT_MARK, document_text)}
                     for message in request_messages(request)]
-        return self.calls.submit(self.client.chat, self.model.name, messages, self.max_new_tokens, self.temperature)
+        return self.calls.submit(self.client.chat, self.model.name, messages, self.max_new_tokens, self.sampling)
 
     def run(self, requests: list[str], on_result: Callable[[int, JobResult], None]) -> list[JobResult]:
         results: list[JobResult | None] = [None] * len(requests)
@@ -464,7 +478,7 @@ class RemoteJob:
         orchestrators = ThreadPoolExecutor(min(len(requests), self.max_concurrency),
                                            thread_name_prefix="indexpool-job")
         try:
-            futures = [orchestrators.submit(self.answer, request) for request in requests]
+            futures = [orchestrators.submit(self.answer_or_recall, request) for request in requests]
             for i, future in enumerate(futures):  # in order, each as soon as it and those before it are done
                 try:
                     results[i] = future.result()
@@ -490,6 +504,23 @@ class RemoteJob:
             raise error
         return results  # type: ignore[return-value]  (no None left when nothing failed)
 
+    def answer_or_recall(self, request: str) -> JobResult:
+        """The request's result from the result cache, else from the server (then kept in the cache), with the
+        parts of the document its wording repeats as sources."""
+        key = cache_key({**self.identity, "request": request, "context": self.model.context})
+        if self.results is not None:
+            kept = self.results.get(key)
+            if kept is not None:
+                kept.cached = True
+                kept.notes.append("from the result cache: the same server, model, document, request and sampling "
+                                  "(--no-cache asks again)")
+                return kept
+        result = self.answer(request)
+        result.sources = matched_sources(result.text, self.document)
+        if self.results is not None:
+            self.results.put(key, result)
+        return result
+
     def answer(self, request: str) -> JobResult:
         context = self.model.context
         request_tokens = self.estimate(request)
@@ -511,7 +542,7 @@ class RemoteJob:
                              read_seconds=done.first_seconds, answer_seconds=done.seconds - done.first_seconds,
                              stop_reason=STOP_REASONS.get(done.finish_reason, done.finish_reason),
                              notes=[f"single pass: the document's {self.document_tokens:,} tokens ({self.counted_by}) "
-                                    f"fit {known}", NO_SOURCES_NOTE])
+                                    f"fit {known}", SOURCES_NOTE])
         return self.hierarchical(request, request_tokens)
 
     def hierarchical(self, request: str, request_tokens: int) -> JobResult:
@@ -545,7 +576,7 @@ class RemoteJob:
                          notes=[f"hierarchical: the document's {self.document_tokens:,} tokens ({self.counted_by}) "
                                 f"do not fit the server's context of {context:,} ({self.model.context_source}); "
                                 f"{len(sections)} sections were answered separately, then their answers together "
-                                f"({levels} level{'s' if levels > 1 else ''}, {calls + 1} requests)", NO_SOURCES_NOTE])
+                                f"({levels} level{'s' if levels > 1 else ''}, {calls + 1} requests)", SOURCES_NOTE])
 
     def answer_sections(self, sections: list[Document], request: str) -> Document:
         """Each section's answer, labelled with the span it covers, as the parts of the next level's document."""
@@ -574,15 +605,93 @@ class RemoteJob:
 
 
 def run_remote_job(document: Document, requests: list[str], max_new_tokens: int, remote: RemoteChoice,
-                   temperature: float, on_result: Callable[[int, JobResult], None], kind: str) -> list[JobResult]:
+                   sampling: dict, on_result: Callable[[int, JobResult], None], kind: str,
+                   results: ResultCache | None = None) -> list[JobResult]:
     """Send the requests (from `jobs.ask_request` / `jobs.summary_request`) on `document` to the server, up to
     --max-concurrency at once; `on_result(i, result)` gets each result in request order as soon as it and those
-    before it are done. When some fail, the others still complete and reach on_result, then the first failure is
+    before it are done. sampling: `sampling_fields`; results: where reproducible results are kept and found
+    again (None: every request goes to the server). When some fail, the others still complete and reach on_result, then the first failure is
     raised (RemoteError: exit 1; InputError, ContextTooLong among them: exit 3) with `.results` (None where failed)."""
     remote.check()
     if remote.backend != "openai":
         raise ValueError("run_remote_job is for --backend openai")
     client = OpenAIClient(ServerAddress.parse(remote.base_url), remote.api_key, remote.timeout, remote.retries)
-    job = RemoteJob(client, find_model(client, remote), document, max_new_tokens, temperature, kind,
-                    remote.max_concurrency)
+    job = RemoteJob(client, find_model(client, remote), document, max_new_tokens, sampling, kind,
+                    remote.max_concurrency, results, remote.base_url)
     return job.run(requests, on_result)
+
+
+def sampling_fields(temperature: float, top_p: float, top_k: int, seed: int | None) -> dict:
+    """The request fields for our sampling options: temperature, top_p and seed are OpenAI's; top_k is an
+    extension that vLLM, SGLang and llama.cpp's servers accept (left out when 0: no limit)."""
+    fields = {"temperature": temperature, "top_p": top_p}
+    if top_k:
+        fields["top_k"] = top_k
+    if seed is not None:
+        fields["seed"] = seed
+    return fields
+
+
+WORD = re.compile(r"\w+")
+
+
+def matched_sources(text: str, document: Document) -> list[dict]:
+    """The parts whose wording `text` repeats most: each part scores the answer's word trigrams found in it, plus
+    its distinctive words (with a digit, or of 7 letters or more) found in it; parts with at least SOURCE_SHARE of
+    the best score are cited, best first, at most MAX_SOURCES."""
+    words = [w.lower() for w in WORD.findall(text)]
+    trigrams = set(zip(words, words[1:], words[2:]))
+    distinctive = {w for w in words if len(w) >= 7 or any(c.isdigit() for c in w)}
+    scores = []
+    for part in document.parts:
+        part_words = [w.lower() for w in WORD.findall(part.text)]
+        scores.append(len(trigrams & set(zip(part_words, part_words[1:], part_words[2:])))
+                      + len(distinctive & set(part_words)))
+    total, best = sum(scores), max(scores, default=0)
+    if not best:
+        return []
+    order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
+    return [{"cite": document.parts[i].cite, "source": document.parts[i].source, "share": round(scores[i] / total, 4)}
+            for i in order[:MAX_SOURCES] if scores[i] >= SOURCE_SHARE * best]
+
+
+def cache_key(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+
+
+class ResultCache:
+    """Results of remote requests, one JSON file each (`<key>.json`, written to a temporary name and renamed); an
+    unreadable file counts as absent and is removed."""
+
+    def __init__(self, directory):
+        from pathlib import Path
+
+        self.directory = Path(directory)
+
+    def get(self, key: str) -> JobResult | None:
+        path = self.directory / f"{key}.json"
+        try:
+            data = json.loads(path.read_text())
+            tokens, timings = data["tokens"], data["timings"]
+            return JobResult(data["text"], sources=data["sources"], prompt_tokens=tokens["prompt"],
+                             document_tokens=tokens["document"], new_tokens=tokens["new"],
+                             read_seconds=timings["read_seconds"], answer_seconds=timings["answer_seconds"],
+                             stop_reason=data["stop_reason"], notes=data["notes"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError):
+            path.unlink(missing_ok=True)
+            return None
+
+    def put(self, key: str, result: JobResult) -> None:
+        tmp = None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(result.to_json(), f)
+            os.replace(tmp, self.directory / f"{key}.json")
+        except OSError:  # no room or no permission: the result was shown, only not kept
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)

@@ -13,6 +13,7 @@ import contextlib
 import http.client
 import http.server
 import importlib.util
+import io
 import json
 import socket
 import subprocess
@@ -24,10 +25,10 @@ from pathlib import Path
 import pytest
 
 from indexpool_cli.console import InputError
-from indexpool_cli.ingest import Document, load_document
+from indexpool_cli.ingest import Document, Part, load_document
 from indexpool_cli.jobs import DOCUMENT_MARK, JobResult, ask_request, request_messages, summary_request
-from indexpool_cli.remote import (ContextTooLong, OpenAIClient, RemoteChoice, RemoteError, ServerAddress,
-                                  run_remote_job)
+from indexpool_cli.remote import (ContextTooLong, OpenAIClient, RemoteChoice, RemoteError, ResultCache,
+                                  ServerAddress, matched_sources, run_remote_job, sampling_fields)
 from test_cli import assert_error, cli_env, indexpool, ok
 
 FACT = "The access code of the glass tower is 41729."
@@ -131,6 +132,12 @@ def document(report) -> Document:
     return load_document([str(report)])
 
 
+def fact_cite(document: Document) -> str:
+    """Where the planted fact is: the cite of the part holding it."""
+    (cite,) = [part.cite for part in document.parts if FACT in part.text]
+    return cite
+
+
 def remote(server: LlamaServer, **options) -> RemoteChoice:
     return RemoteChoice(backend="openai", base_url=server.url, api_key=server.api_key, **options)
 
@@ -139,7 +146,8 @@ def run(document: Document, requests: list[str], choice: RemoteChoice, max_new_t
         kind: str = "ask") -> tuple[list[JobResult], list[int]]:
     """The job's results, and the request indexes in the order on_result saw them."""
     seen: list[int] = []
-    results = run_remote_job(document, requests, max_new_tokens, choice, 0.0, lambda i, _: seen.append(i), kind)
+    results = run_remote_job(document, requests, max_new_tokens, choice, sampling_fields(0.0, 1.0, 0, None),
+                             lambda i, _: seen.append(i), kind)
     return results, seen
 
 
@@ -154,13 +162,13 @@ class CountingChats:
         chat = OpenAIClient.chat
         counter = self
 
-        def counted(client, model, messages, max_tokens, temperature):
+        def counted(client, model, messages, max_tokens, sampling):
             with counter.lock:
                 counter.sent.append(messages[-1]["content"])
                 counter.in_flight += 1
                 counter.most_in_flight = max(counter.most_in_flight, counter.in_flight)
             try:
-                return chat(client, model, messages, max_tokens, temperature)
+                return chat(client, model, messages, max_tokens, sampling)
             finally:
                 with counter.lock:
                     counter.in_flight -= 1
@@ -187,9 +195,9 @@ def test_ask_answers_from_the_document_in_a_single_pass(server, document):
     assert "41729" in result.text
     assert result.document_tokens == server_token_count(server, document.text)  # counted by the server
     assert 1 <= result.new_tokens <= 24 and result.stop_reason in ("stop_token", "max_new_tokens")
-    assert result.sources == []
+    assert [s["cite"] for s in result.sources][:1] == [fact_cite(document)]  # the part the answer quotes
     assert result.notes[0].startswith("single pass: the document's") and "counted by the server" in result.notes[0]
-    assert any("no sources" in note for note in result.notes)
+    assert any(note.startswith("sources: the parts whose wording") for note in result.notes)
 
 
 @needs_llama_cpp
@@ -261,8 +269,8 @@ def test_a_server_killed_mid_run_gives_a_clean_error_and_keeps_completed_results
     t0 = time.monotonic()
     try:
         with pytest.raises(RemoteError) as caught:
-            run_remote_job(document, requests, 64, remote(doomed, max_concurrency=1, retries=2), 0.0,
-                           kill_after_first, "ask")
+            run_remote_job(document, requests, 64, remote(doomed, max_concurrency=1, retries=2),
+                           sampling_fields(0.0, 1.0, 0, None), kill_after_first, "ask")
     finally:
         doomed.stop()
     assert time.monotonic() - t0 < 60
@@ -328,8 +336,8 @@ def test_cli_ask_json_through_the_server(cli_wired, server, report):
     assert QUESTION in first["request"] and "glass tower's access code" in second["request"]  # in order
     assert "41729" in first["text"]
     for result in (first, second):
-        assert result["sources"] == [] and result["tokens"]["new"] >= 1
-        assert result["notes"][0].startswith("single pass")
+        assert result["tokens"]["new"] >= 1 and result["notes"][0].startswith("single pass")
+    assert first["sources"][0]["cite"] == fact_cite(load_document([str(report)]))
 
 
 @needs_llama_cpp
@@ -459,3 +467,64 @@ def test_a_silent_server_times_out(stub_server, document):
         run(document, [ask_request(QUESTION)], RemoteChoice(backend="openai", base_url=stub_server.url, timeout=0.5))
     assert str(caught.value) == f"the server at {stub_server.url} sent nothing for 0.5s (--timeout)"
     assert time.monotonic() - t0 < 2.5
+
+
+class RecordingStub(StubServer):
+    """The stub server, keeping the JSON body of every chat request."""
+
+    def __init__(self):
+        super().__init__()
+        self.bodies: list[dict] = []
+        handler = self.httpd.RequestHandlerClass
+        original = handler.do_POST
+        stub = self
+
+        def do_post(handler_self):
+            length = int(handler_self.headers["Content-Length"])
+            body = handler_self.rfile.read(length)
+            if handler_self.path == "/v1/chat/completions":
+                stub.bodies.append(json.loads(body))
+            handler_self.rfile = io.BytesIO(body)  # read again by the stub's own handler
+            original(handler_self)
+
+        handler.do_POST = do_post
+
+
+def test_sampling_options_reach_the_server_and_reproducible_results_are_kept(document, tmp_path):
+    """temperature, top_p, top_k and seed go in the request; a greedy (or seeded) result is kept and the same request
+    is answered from the cache, without a call; a sampled one without a seed is asked again."""
+    stub = RecordingStub()
+    try:
+        choice = RemoteChoice(backend="openai", base_url=stub.url)
+        results = ResultCache(tmp_path / "results")
+        seen = []
+        greedy = sampling_fields(0.0, 0.9, 20, 7)
+
+        def ask(sampling):
+            return run_remote_job(document, [ask_request(QUESTION)], 16, choice, sampling, lambda i, r: seen.append(r),
+                                  "ask", results)[0]
+
+        first = ask(greedy)
+        assert {k: stub.bodies[0][k] for k in ("temperature", "top_p", "top_k", "seed")} == \
+            {"temperature": 0.0, "top_p": 0.9, "top_k": 20, "seed": 7}
+        again = ask(greedy)
+        assert stub.chats == 1 and not first.cached and again.cached and again.text == first.text == "ok"
+        assert any(note.startswith("from the result cache") for note in again.notes)
+        sampled = sampling_fields(0.7, 0.95, 0, None)
+        ask(sampled), ask(sampled)
+        assert stub.chats == 3 and "top_k" not in stub.bodies[-1] and "seed" not in stub.bodies[-1]
+        for damaged in (tmp_path / "results").glob("*.json"):
+            damaged.write_text("{not json")
+        assert not ask(greedy).cached and stub.chats == 4  # an unreadable entry is asked again, then rewritten
+        assert ask(greedy).cached
+    finally:
+        stub.close()
+
+
+def test_matched_sources_cite_the_parts_an_answer_repeats():
+    parts = [Part("The harbour opens at six. Ships unload grain.", "a.txt", "a.txt:1-2"),
+             Part("The access code of the glass tower is 41729.", "a.txt", "a.txt:3"),
+             Part("Nothing here is about towers.", "a.txt", "a.txt:4")]
+    document = Document(parts, [], [])
+    assert [s["cite"] for s in matched_sources("The access code is 41729.", document)] == ["a.txt:3"]
+    assert matched_sources("Completely unrelated words.", document) == []
