@@ -97,6 +97,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--indexer", default="auto")
     parser.add_argument("--attention", default="auto", help="auto (IndexPool, as ask runs) or dense (up to 8K)")
+    parser.add_argument("--topk", type=int, default=None, help="IndexPool far tokens per query (default: ask's)")
     parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
                         help="also ask on the document without the facts")
     args = parser.parse_args()
@@ -112,6 +113,8 @@ def main() -> None:
     loaded = load_engine(None)
     tok = loaded.tokenizer
     choice = AttentionChoice(indexer=args.indexer, attention=args.attention)
+    if args.topk:
+        choice.topk = args.topk
     runs = [True, False] if args.control else [True]
     for with_facts in runs:
         text, facts = build_document(tok, args.length, args.seed, with_facts)
