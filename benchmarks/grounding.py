@@ -98,14 +98,16 @@ def main() -> None:
     parser.add_argument("--indexer", default="auto")
     parser.add_argument("--attention", default="auto", help="auto (IndexPool, as ask runs) or dense (up to 8K)")
     parser.add_argument("--topk", type=int, default=None, help="IndexPool far tokens per query (default: ask's)")
+    parser.add_argument("--plain-sources", action="store_true",
+                        help="rank sources on the plain attention mass, not beyond a neutral question's (as ask does)")
     parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
                         help="also ask on the document without the facts")
     args = parser.parse_args()
 
     from indexpool_cli.attention import AttentionChoice, open_session
     from indexpool_cli.ingest import load_document
-    from indexpool_cli.jobs import (DocumentTokens, ask_request, document_prompt, read_document, request_messages,
-                                    run_request, session_identity)
+    from indexpool_cli.jobs import (PROBE_QUESTION, DocumentTokens, ask_request, document_prompt, evidence_baseline,
+                                    read_document, request_messages, run_request, session_identity)
     from model.generate import Sampler, SamplingParams
     from model.runtime import load_engine, set_threads
 
@@ -128,13 +130,15 @@ def main() -> None:
         identity = session_identity(loaded, session, choice)
         t0 = time.perf_counter()
         read_document(session, prompts[0], identity, None, "", print, None)
+        probe = request_messages(ask_request(PROBE_QUESTION))
+        baseline = evidence_baseline(session, tok, doc_tokens, prompts[0], probe, identity, None, "", print)
         read_s = time.perf_counter() - t0
         print(f"\n{'with' if with_facts else 'WITHOUT'} facts: {prompts[0].doc_end - prompts[0].doc_start:,} document "
               f"tokens read in {read_s:.0f}s")
         correct = cited = invented = 0
         for (question, code, line), prompt in zip(facts, prompts):
             result = run_request(session, tok, prompt, document, Sampler(SamplingParams(temperature=0)), 40, None,
-                                 True, 0.0)
+                                 True, 0.0, baseline=None if args.plain_sources else baseline)
             answer = result.text.strip().replace("\n", " ")
             hit = code.lower() in answer.lower()
             first = cited_lines(result.sources[0]["cite"]) if result.sources else None

@@ -7,6 +7,8 @@ decode tokens/s, and the ratios the IndexPool issue asks for.
 
     .venv/bin/python benchmarks/indexpool_scale.py --lengths 4096,32768,131072 --dense 4096,32768
     .venv/bin/python benchmarks/indexpool_scale.py --lengths 1048576 --dense none      # about an hour here
+
+Reads of 128K tokens or more print their progress (tokens, rate, peak RSS) on stderr.
 """
 
 from __future__ import annotations
@@ -48,7 +50,20 @@ def worker(length: int, mode: str, decode: int, threads: int | None, options: di
                       indexer=indexer if settings else None)
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.perf_counter()
-    logits = session.prefill(ids)
+    every = max(1, length // 16)  # a line on stderr per sixteenth of a long read: rate and memory as it goes
+    marks = iter(range(every, length + every, every))
+    mark = next(marks)
+
+    def progress(done: int, total: int) -> None:
+        nonlocal mark
+        if length >= 1 << 17 and done >= mark:
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(f"  {length}:{mode} read {done:,}/{total:,} tokens, {done / (time.perf_counter() - t0):.0f} tok/s, "
+                  f"peak RSS {rss:,.0f} MiB", file=sys.stderr, flush=True)
+            while mark <= done:
+                mark = next(marks, length + 1)
+
+    logits = session.prefill(ids, progress)
     prefill_s = time.perf_counter() - t0
     token = logits.argmax(-1)
     times = []
@@ -105,9 +120,9 @@ def main() -> None:
                    "--kv-storage", args.kv_storage, "--index-dtype", args.index_dtype, "--indexer", args.indexer]
         command += ["--threads", str(args.threads)] if args.threads else []
         command += ["--offload-dir", args.offload_dir] if args.offload_dir else []
-        done = subprocess.run(command, capture_output=True, text=True)
+        done = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # the worker's progress and errors: stderr
         if done.returncode:
-            print(f"{length:>8} {mode:>9} failed: {done.stderr.strip().splitlines()[-1:]}", flush=True)
+            print(f"{length:>8} {mode:>9} failed (exit {done.returncode}; its error is above)", flush=True)
             continue
         r = json.loads(done.stdout.strip().splitlines()[-1])
         results.append(r)

@@ -243,8 +243,8 @@ def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, ru
     of the held document, when the session allows (`jobs.batch_size`), else in turn.
     `doc` and `loaded` when the caller has them already; `remote` sends the requests to a server instead."""
     from .attention import available_memory_bytes
-    from .jobs import (DocumentTokens, batch_size, document_prompt, read_document, request_messages, run_batch,
-                       run_request, session_identity)
+    from .jobs import (PROBE_QUESTION, DocumentTokens, ask_request, batch_size, document_prompt, evidence_baseline,
+                       read_document, request_messages, run_batch, run_request, session_identity)
 
     doc = doc or document.load(paths)
     for note in doc.notes:
@@ -284,6 +284,9 @@ def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, ru
     t0 = time.perf_counter()
     with prefill_progress(prompts[0].reusable, enabled=run.progress) as on_progress:
         cached = read_document(session, prompts[0], identity, doc_cache, description, lambda m: _warn(m, run), on_progress)
+    probe = request_messages(ask_request(PROBE_QUESTION), system)
+    baseline = evidence_baseline(session, tok, doc_tokens, prompts[0], probe, identity, doc_cache, description,
+                                 lambda m: _warn(m, run))
     read_seconds = time.perf_counter() - t0
     budget = min(max_new_tokens, session.max_length - max(len(p.ids) for p in prompts))
     size = batch_size(session, prompts, budget, available_memory_bytes())
@@ -295,10 +298,11 @@ def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, ru
             batch = prompts[done : done + size]
             if run.progress:
                 err_console.print(f"[dim]answering {len(batch)} requests as one batch[/dim]")
-            results = run_batch(session, tok, batch, doc, sampler, budget, cached, read_seconds)
+            results = run_batch(session, tok, batch, doc, sampler, budget, cached, read_seconds, baseline)
         else:
             on_text = None if run.json_out else _write_stdout
-            results = [run_request(session, tok, prompts[done], doc, sampler, budget, on_text, cached, read_seconds)]
+            results = [run_request(session, tok, prompts[done], doc, sampler, budget, on_text, cached, read_seconds,
+                                   baseline=baseline)]
         for i, result in enumerate(results, done):
             if i:  # the document was read (or restored) once, for the first request; later ones found it held
                 result.cached, result.read_seconds = True, 0.0
@@ -443,7 +447,8 @@ def chat(
     With IndexPool (the default) a conversation can grow to 128K tokens; with dense attention the oldest exchanges
     are dropped when it outgrows the model's context. With PATHS, the conversation is about those documents: they
     are read once (or restored from the document cache) and every answer cites its sources."""
-    from .jobs import DOCUMENT_MARK, DocumentTokens, document_prompt, read_document, run_request, session_identity
+    from .jobs import (DOCUMENT_MARK, PROBE_QUESTION, DocumentTokens, document_prompt, evidence_baseline,
+                       read_document, run_request, session_identity)
 
     if paths and "-" in paths:
         raise typer.BadParameter("chat reads its messages from stdin, so a document cannot come from stdin too")
@@ -460,9 +465,13 @@ def chat(
                  {"role": "assistant", "content": "I have read it. What would you like to know?"}]
         prompt = document_prompt(tok, doc_tokens, base, attention.kpool)
         session = open_session(loaded, attention, len(prompt.ids) + DOCUMENT_CHAT_TOKENS, auto="indexpool")
+        identity, doc_cache = session_identity(loaded, session, attention), document.cache()
+        description = f"{', '.join(paths)} ({len(doc_tokens.ids):,} tokens)"
         with prefill_progress(prompt.reusable, enabled=run.progress) as on_progress:
-            read_document(session, prompt, session_identity(loaded, session, attention), document.cache(),
-                          f"{', '.join(paths)} ({len(doc_tokens.ids):,} tokens)", lambda m: _warn(m, run), on_progress)
+            read_document(session, prompt, identity, doc_cache, description, lambda m: _warn(m, run), on_progress)
+        probe = base + [{"role": "user", "content": PROBE_QUESTION}]
+        baseline = evidence_baseline(session, tok, doc_tokens, prompt, probe, identity, doc_cache, description,
+                                     lambda m: _warn(m, run))
 
     def encode(conversation):
         if doc is None:
@@ -503,7 +512,7 @@ def chat(
             record = {"text": reply, "model": loaded.name, **_stats_json(stats)}
         else:
             result = run_request(session, tok, encoded, doc, sampler, budget, None if run.json_out else _write_stdout,
-                                 True, 0.0)
+                                 True, 0.0, baseline=baseline)
             reply = result.text
             record = {"model": loaded.name, **result.to_json(), "fed_tokens": session.last_fed_tokens}
             if not run.json_out and result.sources:

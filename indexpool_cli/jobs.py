@@ -5,7 +5,8 @@ Every job reads the document first (or restores it from the document cache), the
 document's tokens come before anything a request changes, so the cached state serves every later question.
 Sources come from what the model attended to: while the question and the answer are read and written, the
 attention probability of every token it attends to (sinks aside: the selected far tokens and the recent window) is
-summed over heads and layers (`AttentionEvidence`); the parts holding the most are cited.
+summed over heads and layers (`AttentionEvidence`); the parts holding the most beyond what a neutral question's
+reading gives them (`evidence_baseline`: some tokens draw attention whatever is asked) are cited.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+import torch
 
 from model.indexpool_cache import AttentionEvidence, IndexPoolCache
 
@@ -140,9 +143,12 @@ def read_document(session, prompt: DocumentPrompt, identity: dict, doc_cache: Te
     return False
 
 
-def rank_sources(evidence: AttentionEvidence, prompt: DocumentPrompt, document: Document) -> list[dict]:
-    """The parts with the most evidence mass (at least SOURCE_SHARE of the best), best first."""
-    masses = [evidence.span_mass(start, end) for start, end in prompt.part_spans]
+def rank_sources(evidence: AttentionEvidence, prompt: DocumentPrompt, document: Document,
+                 baseline: AttentionEvidence | None = None) -> list[dict]:
+    """The parts with the most evidence mass (beyond the baseline's, when given), at least SOURCE_SHARE of the
+    best, best first."""
+    beyond = evidence.beyond(baseline) if baseline is not None else None
+    masses = [evidence.span_mass(start, end, beyond) for start, end in prompt.part_spans]
     total = sum(masses)
     if not total:
         return []
@@ -169,12 +175,12 @@ def request_evidence(cache, prompt: DocumentPrompt) -> AttentionEvidence | None:
 
 def job_result(text: str, stats, prompt: DocumentPrompt, document: Document,
                evidence: AttentionEvidence | None, with_sources: bool, cached: bool, read_seconds: float,
-               answer_seconds: float) -> JobResult:
+               answer_seconds: float, baseline: AttentionEvidence | None = None) -> JobResult:
     result = JobResult(text, prompt_tokens=len(prompt.ids),
                        document_tokens=prompt.doc_end - prompt.doc_start, new_tokens=stats.new_tokens, cached=cached,
                        read_seconds=read_seconds, answer_seconds=answer_seconds, stop_reason=stats.stop_reason)
     if evidence is not None:
-        result.sources = rank_sources(evidence, prompt, document)
+        result.sources = rank_sources(evidence, prompt, document, baseline)
     elif with_sources:
         result.notes.append("no sources: they come from IndexPool attention (this run used the model's own "
                             "attention; --attention indexpool gives them on llama-family models)")
@@ -183,8 +189,9 @@ def job_result(text: str, stats, prompt: DocumentPrompt, document: Document,
 
 def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, sampler, max_new_tokens: int,
                 on_text: Callable[[str], None] | None, cached: bool, read_seconds: float,
-                with_sources: bool = True) -> JobResult:
-    """Append the request to the held document, generate (streaming text to on_text), and collect sources."""
+                with_sources: bool = True, baseline: AttentionEvidence | None = None) -> JobResult:
+    """Append the request to the held document, generate (streaming text to on_text), and collect sources
+    (ranked beyond `baseline`, `evidence_baseline`'s, when given)."""
     from model.generate import GenerationStats
 
     cache = session.cache
@@ -207,7 +214,7 @@ def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, 
         if evidence is not None:
             cache.evidence = None
     return job_result("".join(pieces), stats, prompt, document, evidence, with_sources, cached, read_seconds,
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, baseline)
 
 
 MAX_BATCH = 16  # branches per batch: each step's cost grows with the batch once the weights are amortised
@@ -227,7 +234,7 @@ def batch_size(session, prompts: list[DocumentPrompt], max_new_tokens: int, avai
 
 
 def run_batch(session, tokenizer, prompts: list[DocumentPrompt], document: Document, sampler, max_new_tokens: int,
-              cached: bool, read_seconds: float) -> list[JobResult]:
+              cached: bool, read_seconds: float, baseline: AttentionEvidence | None = None) -> list[JobResult]:
     """Requests on the held document decoded together as branches (`Session.generate_branches`); answer seconds
     are each request's reading plus the batch's decoding."""
     evidence = [request_evidence(session.cache, p) for p in prompts]
@@ -238,8 +245,44 @@ def run_batch(session, tokenizer, prompts: list[DocumentPrompt], document: Docum
         decoder = tokenizer.stream_decoder()
         text = "".join(decoder.push(token) for token in tokens) + decoder.flush()
         results.append(job_result(text, stats, prompt, document, found, True, cached, read_seconds,
-                                  stats.prefill_seconds + stats.decode_seconds))
+                                  stats.prefill_seconds + stats.decode_seconds, baseline))
     return results
+
+
+PROBE_QUESTION = "What is this document about?"  # asks about nothing in particular: the sources' baseline
+
+
+def evidence_baseline(session, tokenizer, document: DocumentTokens, prompt: DocumentPrompt, messages: list[dict],
+                      identity: dict, doc_cache: TensorCache | None, description: str,
+                      warn: Callable[[str], None]) -> AttentionEvidence | None:
+    """Where a neutral question's reading (PROBE_QUESTION, in `messages`' place) looks in the held document: the
+    baseline sources are ranked against (`AttentionEvidence.beyond`). IndexPool sessions and documents long
+    enough to have sources (None otherwise). Kept in the document cache beside the read document."""
+    if request_evidence(session.cache, prompt) is None or prompt.doc_end - prompt.doc_start <= EVIDENCE_MIN_DOCUMENT:
+        return None
+    probe = document_prompt(tokenizer, document, messages, session.cache.settings.kpool)
+    baseline = request_evidence(session.cache, probe)
+    key = cache_key({**identity, "evidence_baseline": PROBE_QUESTION}, probe.ids) if doc_cache else ""
+    saved = doc_cache.load(key, warn) if doc_cache else None
+    if saved is not None and {"mass", "queries"} <= saved[1].keys() and saved[1]["mass"].shape == baseline.mass.shape:
+        baseline.mass.copy_(saved[1]["mass"])
+        baseline.queries = int(saved[1]["queries"])
+        return baseline
+    session.cache.evidence = baseline
+    try:
+        session.prefill(probe.ids)
+    finally:
+        session.cache.evidence = None
+    # Back to the document alone: a question must be read from the same point whether or not the probe ran (the
+    # probe's tail shares some template tokens with it, which would otherwise be kept and not counted as queries).
+    session.tokens = session.tokens[: session.cache.truncate(prompt.reusable)]
+    if doc_cache:
+        try:
+            doc_cache.save(key, [], {"mass": baseline.mass, "queries": torch.tensor(baseline.queries)},
+                           f"{description}: evidence baseline")
+        except OSError as e:
+            warn(f"could not save the evidence baseline ({e})")
+    return baseline if baseline.queries else None
 
 
 def ask_request(question: str) -> str:

@@ -64,7 +64,9 @@ def test_second_ask_restores_the_document_from_the_cache(first_and_second_ask):
 
 def test_cache_list_and_clear(first_and_second_ask, cache_dir):
     listed = [json.loads(line) for line in ok(indexpool("cache", "list", "--json", "--cache-dir", str(cache_dir))).splitlines()]
-    assert len(listed) == 1 and "report.txt" in listed[0]["description"] and listed[0]["bytes"] > 0
+    # The read document, and the neutral question's evidence its sources are ranked against.
+    assert sorted(e["description"].endswith("evidence baseline") for e in listed) == [False, True]
+    assert all("report.txt" in e["description"] and e["bytes"] > 0 for e in listed)
     ok(indexpool("cache", "clear", "--cache-dir", str(cache_dir)))
     assert ok(indexpool("cache", "list", "--json", "--cache-dir", str(cache_dir))) == ""
 
@@ -72,13 +74,13 @@ def test_cache_list_and_clear(first_and_second_ask, cache_dir):
 def test_a_damaged_cache_entry_is_rebuilt_with_a_warning(report, tmp_path):
     args = ("ask", str(report), QUESTION, "--json", "--cache-dir", str(tmp_path), "-n", "8")
     first = json.loads(ok(indexpool(*args)))
-    (entry,) = tmp_path.glob("*.safetensors")
+    entry = max(tmp_path.glob("*.safetensors"), key=lambda p: p.stat().st_size)  # the document, not its baseline
     entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])  # truncated
     proc = indexpool(*args)
     again = json.loads(ok(proc))
     assert "unusable" in proc.stderr.decode() and not again["cached"]
     assert again["text"] == first["text"]
-    assert len(list(tmp_path.glob("*.safetensors"))) == 1  # rebuilt
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2  # rebuilt, beside the baseline
 
 
 def test_several_questions_read_the_document_once(report, tmp_path):

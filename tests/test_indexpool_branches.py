@@ -93,6 +93,7 @@ def test_only_live_branches_are_fed_and_evidence_matches():
     for b, (expected, alone_evidence) in enumerate(alone):
         torch.testing.assert_close(torch.cat(got[b]), expected, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(branches.evidence[b].mass, alone_evidence.mass, atol=1e-5, rtol=1e-4)
+        assert branches.evidence[b].queries == alone_evidence.queries == len(suffixes[b]) + len(got[b]) - 1
         assert alone_evidence.mass.sum() > 0
 
 

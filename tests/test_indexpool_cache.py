@@ -226,6 +226,7 @@ def test_evidence_points_at_what_the_queries_attend_to():
         for position in range(116, 120):  # 4 one-token forwards, n_heads query rows each, in every layer
             model(torch.tensor([[prompt[position]]]), position, session.cache)
     assert evidence.span_mass(0, 120) == pytest.approx(4 * CONFIG.n_heads * CONFIG.n_layers, rel=1e-3)
+    assert evidence.queries == 4
     attended = evidence.mass > 0
     assert 0 < int(attended.sum()) < 120  # past the context: only sinks, selected pools and the window are seen
 
@@ -256,3 +257,21 @@ def test_pooled_index_truncates_only_at_pool_boundaries():
         cache.truncate(6)
     cache.truncate(8)
     assert cache.n_pools(0) == 2 and cache.tail(0)[0].shape[1] == 0
+
+
+def test_evidence_beyond_a_baseline_cancels_what_every_query_draws():
+    """A token that draws attention whatever is asked (a sink-like " the") outweighs the token a question is about
+    in the plain mass, not beyond a neutral question's mass scaled to the same number of queries."""
+    from model.indexpool_cache import AttentionEvidence
+
+    baseline, asked = AttentionEvidence(10, 20), AttentionEvidence(10, 20)
+    baseline.add(torch.tensor([12, 15]), torch.tensor([30.0, 2.0]))
+    baseline.queries = 10
+    asked.add(torch.tensor([12, 15, 17]), torch.tensor([60.0, 4.0, 9.0]))
+    asked.queries = 20
+    beyond = asked.beyond(baseline)
+    assert int(asked.mass.argmax()) + 10 == 12 and int(beyond.argmax()) + 10 == 17
+    torch.testing.assert_close(beyond[[2, 5, 7]], torch.tensor([0.0, 0.0, 9.0]))
+    assert asked.span_mass(15, 18, beyond) == pytest.approx(9.0)
+    with pytest.raises(ValueError, match="same span"):
+        asked.beyond(AttentionEvidence(0, 20))
