@@ -15,6 +15,9 @@ the pooled index. `max_branch_tokens` says how many that is.
 A branch's question is read by the base cache alone (`Session.generate_branches`: per-query selection as usual),
 then its rotated K/V are copied into the branch's buffer (`take_branch`) and the base cache is truncated back to
 the document.
+
+Written and tested for the CPU (its bookkeeping tensors live there; attention goes through `attention_with_lse`);
+a CUDA run of batched branches has not been made.
 """
 
 from __future__ import annotations
