@@ -56,6 +56,11 @@ class Sampler:
         return torch.multinomial(logits.softmax(dim=-1), 1, generator=self.generator).squeeze(-1)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
@@ -124,12 +129,7 @@ class Session:
             raise ValueError("the prompt is empty")
         if len(prompt) > self.max_length:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds {self.max_length}")
-        keep = 0
-        for a, b in zip(self.tokens, prompt[:-1]):  # at least one token is fed, to get its logits
-            if a != b:
-                break
-            keep += 1
-        keep = self.cache.truncate(keep)
+        keep = self.cache.truncate(common_prefix(self.tokens, prompt[:-1]))  # at least one token is fed: its logits
         self.last_fed_tokens = len(prompt) - keep  # what this call read (the rest was held already)
         new = torch.tensor([prompt[keep:]], device=self.device)
         total, logits = new.shape[1], None
@@ -180,11 +180,7 @@ class Session:
     def _branch_point(self, prompts: list[list[int]]) -> int:
         """How many held tokens every prompt starts with (each keeps at least one token of its own), down to a
         pool boundary."""
-        n = len(self.tokens)
-        for prompt in prompts:
-            n = min(n, len(prompt) - 1)
-            while n and prompt[:n] != self.tokens[:n]:
-                n = next(i for i, (a, b) in enumerate(zip(prompt, self.tokens)) if a != b)
+        n = min(common_prefix(self.tokens, prompt[:-1]) for prompt in prompts)
         return n - n % self.cache.settings.kpool if isinstance(self.cache, IndexPoolCache) else n
 
     def can_branch(self, prompts: list[list[int]], max_new_tokens: int) -> bool:

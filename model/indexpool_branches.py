@@ -125,6 +125,9 @@ class IndexPoolBranches:
         if len({e.local_band for e in tracked}) > 1:
             raise ValueError("the branches' evidence must share one local band")
         self.local_band = tracked[0].local_band if tracked else None
+        for branch in live.tolist():
+            if self.evidence[branch] is not None:
+                self.evidence[branch].queries += 1
         self.selections: dict[int, torch.Tensor] = {}
 
     def _select(self, layer: int, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -183,10 +186,6 @@ class IndexPoolBranches:
         own_v = self.own_v[layer, self.live, :width].transpose(1, 2)
         parts.append(attention_with_lse(q, own_k, own_v, mask=self.own_mask[..., :width]))
         if self.local_band is not None:
-            if layer == 0:
-                for branch in self.live.tolist():
-                    if self.evidence[branch] is not None:
-                        self.evidence[branch].queries += 1
             lse = torch.stack([part_lse for _, part_lse in parts]).logsumexp(dim=0)  # (B, KV, group)
             self._add_evidence(q, lse, far, far_k, doc_k[0])
         return merge_attention(parts).reshape(B, 1, H * D)

@@ -322,6 +322,8 @@ class IndexPoolCache:
         self.pool_offsets = torch.arange(s.kpool, device=device)
         self.selections = {}
         self.length = self.end
+        if self.evidence is not None and length <= s.query_tokens:  # the forwards `attend` takes evidence from
+            self.evidence.queries += length
 
     def _select(self, layer: int, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Positions of the sinks and the far tokens each query block attends to: (n_blocks, N), ascending."""
@@ -397,8 +399,6 @@ class IndexPoolCache:
             parts.append((far_out.view(n_blocks, KV, block * group, D).transpose(0, 1).reshape(1, KV, -1, D)[:, :, : T * group],
                           far_lse.transpose(0, 1).reshape(1, KV, -1)[:, :, : T * group]))
         if evidence:
-            if layer == 0:
-                self.evidence.queries += T
             self._add_evidence(layer, parts, q_rows, window_end, far, far_k if far.shape[1] else None,
                                q_blocks if far.shape[1] else None)
         out = merge_attention(parts)

@@ -173,3 +173,15 @@ def chatgpt_export() -> list[dict]:
 def write_json(path: Path, value: object) -> Path:
     path.write_text(json.dumps(value))
     return path
+
+
+def write_planted_report(directory: Path, fact: str, topics: int, lines: int) -> Path:
+    """report.txt: the first `lines` lines of Python's documentation (its first `topics` topics), with `fact` as a
+    line of its own in the middle."""
+    import pydoc_data.topics
+
+    text = "\n\n".join(list(pydoc_data.topics.topics.values())[:topics]).split("\n")[:lines]
+    text.insert(lines // 2, fact)
+    path = directory / "report.txt"
+    path.write_text("\n".join(text) + "\n")
+    return path

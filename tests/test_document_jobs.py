@@ -9,27 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from doc_fixtures import encrypted_pdf_bytes, pdf_bytes
+from doc_fixtures import encrypted_pdf_bytes, pdf_bytes, write_planted_report
 from test_cli import assert_error, cli_env, indexpool, ok
 
 FACT = "The access code of the glass tower is 41729."
 QUESTION = "What is the access code of the glass tower?"
 
 
-def prose(n_paragraphs: int) -> str:
-    import pydoc_data.topics
-
-    return "\n\n".join(list(pydoc_data.topics.topics.values())[:n_paragraphs])
-
-
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> Path:
     """About 1,500 tokens of prose with the fact in the middle."""
-    lines = prose(6).split("\n")[:160]
-    lines.insert(80, FACT)
-    path = tmp_path_factory.mktemp("docs") / "report.txt"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_planted_report(tmp_path_factory.mktemp("docs"), FACT, topics=6, lines=160)
 
 
 @pytest.fixture(scope="module")

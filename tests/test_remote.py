@@ -29,6 +29,7 @@ from indexpool_cli.ingest import Document, Part, load_document
 from indexpool_cli.jobs import DOCUMENT_MARK, JobResult, ask_request, request_messages, summary_request
 from indexpool_cli.remote import (ContextTooLong, OpenAIClient, RemoteChoice, RemoteError, ResultCache,
                                   ServerAddress, matched_sources, run_remote_job, sampling_fields)
+from doc_fixtures import write_planted_report
 from test_cli import assert_error, cli_env, indexpool, ok
 
 FACT = "The access code of the glass tower is 41729."
@@ -118,13 +119,7 @@ def small_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> Path:
     """About 800 tokens of prose with the fact in the middle."""
-    import pydoc_data.topics
-
-    lines = "\n\n".join(list(pydoc_data.topics.topics.values())[:3]).split("\n")[:70]
-    lines.insert(35, FACT)
-    path = tmp_path_factory.mktemp("docs") / "report.txt"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_planted_report(tmp_path_factory.mktemp("docs"), FACT, topics=3, lines=70)
 
 
 @pytest.fixture(scope="module")
