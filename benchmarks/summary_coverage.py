@@ -35,6 +35,19 @@ def build_chapters(tokenizer, length: int) -> tuple[str, list[str]]:
     return "".join(chapters), names
 
 
+def chapters_document(tokenizer, length: int):
+    """`build_chapters`' text read as a plain-text file (a Document), and the chapters' topics."""
+    import tempfile
+
+    from indexpool_cli.ingest import load_document
+
+    text, names = build_chapters(tokenizer, length)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "manual.txt"
+        path.write_text(text)
+        return load_document([str(path)]), names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=16000)
@@ -42,10 +55,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import dataclasses
-    import tempfile
 
     from indexpool_cli.attention import AttentionChoice, open_session
-    from indexpool_cli.ingest import load_document
     from indexpool_cli.jobs import (SUMMARY_LENGTHS, DocumentTokens, document_prompt, read_document, request_messages,
                                     run_request, session_identity, summarize_hierarchical, summary_request)
     from model.generate import Sampler, SamplingParams
@@ -54,11 +65,7 @@ def main() -> None:
     set_threads(args.threads)
     loaded = load_engine(None)
     tok = loaded.tokenizer
-    text, names = build_chapters(tok, args.length)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "manual.txt"
-        path.write_text(text)
-        document = load_document([str(path)])
+    document, names = chapters_document(tok, args.length)
     request, budget = summary_request("long", None), SUMMARY_LENGTHS["long"][1]
     choice = AttentionChoice()
     results = {}

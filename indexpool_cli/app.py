@@ -425,8 +425,13 @@ def summarize(
         loaded, doc, request, budget, sampler, section_tokens, lambda needed: open_session(loaded, dense, needed),
         lambda needed: open_session(loaded, attention, needed, auto="indexpool"),
         on_text=None if run.json_out else _write_stdout,
-        on_section=(lambda i, n: err_console.print(f"[dim]section {i + 1}/{n}[/dim]")) if run.progress else None)
+        on_section=_show_sections if run.progress else None)
     _show_result(result, request, loaded, run)
+
+
+def _show_sections(batch: range, total: int) -> None:
+    which = f"section {batch.start + 1}" if len(batch) == 1 else f"sections {batch.start + 1}-{batch.stop}"
+    err_console.print(f"[dim]summarizing {which}/{total}[/dim]")
 
 
 @command

@@ -217,7 +217,14 @@ def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, 
                       time.perf_counter() - t0, baseline)
 
 
-MAX_BATCH = 16  # branches per batch: each step's cost grows with the batch once the weights are amortised
+MAX_BATCH = 16  # requests per batch: each step's cost grows with the batch once the weights are amortised
+
+
+def requests_that_fit(count: int, bytes_per_request: int, available_bytes: int | None) -> int:
+    """`count` requests, at most MAX_BATCH and as many as whose buffers fit in half the memory available; at
+    least 1."""
+    fits = count if available_bytes is None else available_bytes // 2 // bytes_per_request
+    return max(1, min(count, MAX_BATCH, fits))
 
 
 def batch_size(session, prompts: list[DocumentPrompt], max_new_tokens: int, available_bytes: int | None) -> int:
@@ -229,8 +236,24 @@ def batch_size(session, prompts: list[DocumentPrompt], max_new_tokens: int, avai
     if len(prompts) < 2 or not session.can_branch(ids, max_new_tokens):
         return 1
     capacity = max(len(i) for i in ids) - len(session.tokens) + max_new_tokens
-    fits = len(prompts) if available_bytes is None else available_bytes // 2 // bytes_per_branch(session.cache, capacity)
-    return max(1, min(len(prompts), MAX_BATCH, fits))
+    return requests_that_fit(len(prompts), bytes_per_branch(session.cache, capacity), available_bytes)
+
+
+def section_batch_size(session, prompt_lengths: list[int], max_new_tokens: int, available_bytes: int | None) -> int:
+    """How many independent prompts (section summaries) to decode together: all of them (up to MAX_BATCH) when
+    the session is dense and their rows of K/V fit in half the memory available; 1 (one after another) otherwise."""
+    if len(prompt_lengths) < 2 or not session.can_batch():
+        return 1
+    model = session.model
+    row_tokens = min(session.max_length, max(prompt_lengths) + max_new_tokens)  # `Session.generate_batch`'s rows
+    return requests_that_fit(len(prompt_lengths), model.config.kv_bytes_per_token(model.dtype) * row_tokens,
+                             available_bytes)
+
+
+def generated_text(tokenizer, tokens: list[int]) -> str:
+    """The text of generated tokens as it is streamed (control tokens left out)."""
+    decoder = tokenizer.stream_decoder()
+    return "".join(decoder.push(token) for token in tokens) + decoder.flush()
 
 
 def run_batch(session, tokenizer, prompts: list[DocumentPrompt], document: Document, sampler, max_new_tokens: int,
@@ -242,9 +265,7 @@ def run_batch(session, tokenizer, prompts: list[DocumentPrompt], document: Docum
                                         evidence)
     results = []
     for (tokens, stats), prompt, found in zip(outputs, prompts, evidence):
-        decoder = tokenizer.stream_decoder()
-        text = "".join(decoder.push(token) for token in tokens) + decoder.flush()
-        results.append(job_result(text, stats, prompt, document, found, True, cached, read_seconds,
+        results.append(job_result(generated_text(tokenizer, tokens), stats, prompt, document, found, True, cached, read_seconds,
                                   stats.prefill_seconds + stats.decode_seconds, baseline))
     return results
 
@@ -341,11 +362,41 @@ SECTION_RESERVE = 1024  # tokens of a section-summary prompt kept for the templa
 SECTION_SUMMARY_TOKENS = 200
 
 
+def section_prompts(tokenizer, sections: list[Document]) -> list[DocumentPrompt]:
+    """Each section's request for a short summary of it."""
+    request = request_messages(summary_request("short", None))
+    return [document_prompt(tokenizer, DocumentTokens.encode(tokenizer, section), request) for section in sections]
+
+
+def summarize_sections(session, tokenizer, sections: list[Document], prompts: list[DocumentPrompt], sampler,
+                       batch: int, on_section: Callable[[range, int], None] | None = None) -> list[str]:
+    """Each section's short summary from its prompt (`section_prompts`), `batch` sections decoded together
+    (`Session.generate_batch`), or one after another when `batch` is 1 (any session). on_section(the batch's
+    sections, total) before each batch."""
+    summaries = []
+    for first in range(0, len(sections), batch):
+        batch_sections = range(first, min(first + batch, len(sections)))
+        if on_section:
+            on_section(batch_sections, len(sections))
+        if batch > 1:
+            outputs = session.generate_batch([prompts[i].ids for i in batch_sections], sampler,
+                                             SECTION_SUMMARY_TOKENS, tokenizer.stop_ids)
+            summaries += [generated_text(tokenizer, tokens) for tokens, _ in outputs]
+        else:
+            summaries.append(run_request(session, tokenizer, prompts[first], sections[first], sampler,
+                                         SECTION_SUMMARY_TOKENS, None, False, 0.0, with_sources=False).text)
+    return [summary.strip() for summary in summaries]
+
+
 def summarize_hierarchical(loaded, document: Document, final_request: str, max_new_tokens: int, sampler,
                            section_tokens: int | None, open_dense, open_final, on_text: Callable[[str], None] | None = None,
-                           on_section: Callable[[int, int], None] | None = None) -> JobResult:
-    """Summaries of sections that each fit the model's context (dense attention), then a summary of those
-    summaries, which cites the sections. `open_dense(needed)` / `open_final(needed)` open the sessions."""
+                           on_section: Callable[[range, int], None] | None = None) -> JobResult:
+    """Summaries of sections that each fit the model's context (dense attention), decoded in batches as large as
+    memory allows (`section_batch_size`), then a summary of those summaries, which cites the sections.
+    `open_dense(needed)` / `open_final(needed)` open the sessions; on_section(the batch's sections, total) before
+    each batch."""
+    from .attention import available_memory_bytes
+
     tok = loaded.tokenizer
     budget = min(section_tokens or loaded.config.context_length, loaded.config.context_length - SECTION_RESERVE)
     counted = []  # tokens of each part, as split_sections counts them
@@ -356,14 +407,13 @@ def summarize_hierarchical(loaded, document: Document, final_request: str, max_n
 
     sections = split_sections(document, count, budget)
     t0 = time.perf_counter()
+    prompts = section_prompts(tok, sections)
     section_session = open_dense(loaded.config.context_length)
+    batch = section_batch_size(section_session, [len(p.ids) for p in prompts], SECTION_SUMMARY_TOKENS,
+                               available_memory_bytes())
+    section_summaries = summarize_sections(section_session, tok, sections, prompts, sampler, batch, on_section)
     summary_parts = []
-    for i, section in enumerate(sections):
-        if on_section:
-            on_section(i, len(sections))
-        prompt = document_prompt(tok, DocumentTokens.encode(tok, section), request_messages(summary_request("short", None)))
-        summary = run_request(section_session, tok, prompt, section, sampler, SECTION_SUMMARY_TOKENS, None, False, 0.0,
-                              with_sources=False).text.strip()
+    for section, summary in zip(sections, section_summaries):
         first, last = section.parts[0].cite, section.parts[-1].cite
         cite = first if first == last else f"{first} to {last}"
         summary_parts.append(Part(f"[{cite}]\n{summary}\n\n", section.parts[0].source, cite))

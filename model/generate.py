@@ -11,7 +11,7 @@ import torch
 from .indexers import Indexer, TrainingFreeIndexer
 from .indexpool_branches import IndexPoolBranches, max_branch_tokens
 from .indexpool_cache import AttentionEvidence, IndexPoolCache, IndexPoolConfig
-from .llama import KVCache, Transformer
+from .llama import BatchKVCache, KVCache, Transformer
 
 
 @dataclass
@@ -177,6 +177,40 @@ class Session:
             token = sampler(logits)
         stats.decode_seconds = time.perf_counter() - t0
 
+    def can_batch(self) -> bool:
+        """Whether `generate_batch` can run here: a dense session of the llama family."""
+        return isinstance(self.cache, KVCache)
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[list[int]], sampler: Sampler, max_new_tokens: int,
+                       stop_ids: frozenset[int] | set[int] = frozenset()) -> list[tuple[list[int], GenerationStats]]:
+        """Continue several independent prompts, decoding them as one batch (`BatchKVCache`; see `can_batch`).
+        Each prompt is read alone by this session's cache (reusing what it holds, as `prefill` does) and its K/V
+        copied into its own row; then every step feeds all unfinished rows together. A row stops where `generate`
+        would stop it alone (a stop token, max_new_tokens, the session's context full). The session holds the last
+        prompt afterwards. Returns each prompt's new tokens and stats (decode seconds are the batch's)."""
+        if not self.can_batch():
+            raise ValueError("only a dense session decodes independent prompts as one batch")
+        if not prompts:
+            return []
+        capacity = min(self.max_length, max(len(p) for p in prompts) + max_new_tokens)
+        batch = self.model.new_cache(capacity, len(prompts), BatchKVCache)
+        stats, first_logits = [GenerationStats(prompt_tokens=len(p)) for p in prompts], []
+        for b, prompt in enumerate(prompts):
+            t0 = time.perf_counter()
+            first_logits.append(self.prefill(prompt))
+            batch.take_row(b, self.cache, len(prompt))
+            stats[b].prefill_seconds = time.perf_counter() - t0
+
+        def forward(kept: list[int], live: list[int], fed: torch.Tensor) -> torch.Tensor:
+            if len(kept) < batch.rows:
+                batch.keep(kept)
+            return self.model(fed, 0, batch)[:, -1]
+
+        new = self._decode_together(torch.cat(first_logits), sampler, max_new_tokens, stop_ids, stats, forward,
+                                    fits=lambda b, n: len(prompts[b]) + n <= self.max_length)
+        return list(zip(new, stats))
+
     def _branch_point(self, prompts: list[list[int]]) -> int:
         """How many held tokens every prompt starts with (each keeps at least one token of its own), down to a
         pool boundary."""
@@ -219,27 +253,43 @@ class Session:
             self.tokens = list(shared)
             stats[b].prefill_seconds = time.perf_counter() - t0
         branches.evidence = evidence
-        new: list[list[int]] = [[] for _ in prompts]
-        token = sampler(torch.cat(first_logits))  # (B,): one per live branch
-        live = list(range(len(prompts)))
+
+        def forward(kept: list[int], live: list[int], fed: torch.Tensor) -> torch.Tensor:
+            branches.live = torch.tensor(live)
+            return self.model(fed, 0, branches)[:, -1]
+
+        new = self._decode_together(torch.cat(first_logits), sampler, max_new_tokens, stop_ids, stats, forward,
+                                    fits=lambda b, n: True)  # can_branch made room for every branch
+        return list(zip(new, stats))
+
+    def _decode_together(self, logits: torch.Tensor, sampler: Sampler, max_new_tokens: int, stop_ids,
+                         stats: list[GenerationStats], forward, fits) -> list[list[int]]:
+        """The decode loop of a batch of rows, from their first logits (rows, V): each step samples every live
+        row's token, drops the rows that stopped (a stop token, `fits(row, new tokens)` False: the context is
+        full) and feeds the rest: `forward(kept rows of the last step, live rows, tokens (live, 1))` returns their
+        logits. Fills `stats` (decode seconds are the batch's); returns each row's new tokens."""
+        new: list[list[int]] = [[] for _ in stats]
+        token = sampler(logits)
+        live = list(range(len(stats)))  # the row of stats each fed row is
         t0 = time.perf_counter()
         for step in range(max_new_tokens):
-            keep = []
-            for row, b in enumerate(live):
-                if int(token[row]) in stop_ids:
+            kept = []
+            for row, (b, token_id) in enumerate(zip(live, token.tolist())):
+                if token_id in stop_ids:
                     stats[b].stop_reason = "stop_token"
+                    continue
+                new[b].append(token_id)
+                if fits(b, len(new[b])):
+                    kept.append(row)
                 else:
-                    new[b].append(int(token[row]))
-                    keep.append(row)
-            live = [live[row] for row in keep]
-            if not live or step == max_new_tokens - 1:
+                    stats[b].stop_reason = "context_full"
+            if not kept or step == max_new_tokens - 1:
                 break
-            branches.live = torch.tensor(live)
-            fed = token[keep].view(-1, 1)
-            token = sampler(self.model(fed, 0, branches)[:, -1])
+            live, token = [live[row] for row in kept], token[kept]
+            token = sampler(forward(kept, live, token.view(-1, 1)))
         seconds = time.perf_counter() - t0
-        for b in range(len(prompts)):
-            stats[b].new_tokens = len(new[b])
-            stats[b].stop_reason = stats[b].stop_reason or "max_new_tokens"
-            stats[b].decode_seconds = seconds
-        return list(zip(new, stats))
+        for b, row_stats in enumerate(stats):
+            row_stats.new_tokens = len(new[b])
+            row_stats.stop_reason = row_stats.stop_reason or "max_new_tokens"
+            row_stats.decode_seconds = seconds
+        return new

@@ -140,6 +140,68 @@ class KVCache(nn.Module):
         return y.transpose(1, 2).reshape(B, T, -1)
 
 
+class BatchKVCache(KVCache):
+    """Dense attention for several independent sequences decoded together, one per batch row, each at its own
+    length: a forward feeds every row one token (tokens (rows, 1)), rotated at that row's next position and
+    attending only to that row's filled slots. A row is filled from a one-sequence cache that has read its prompt
+    (`take_row`). When rows finish, `keep` packs the others to the front: the rows fed are always the first
+    `rows`, so every layer attends over views of the buffers rather than gathered copies."""
+
+    def __init__(self, config: LlamaConfig, max_length: int, cos: torch.Tensor, sin: torch.Tensor, batch: int = 1,
+                 dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__(config, max_length, cos, sin, batch, dtype, device)
+        self.lengths = torch.zeros(batch, dtype=torch.long)  # tokens each row holds; on the CPU, read every step
+        self.rows = batch
+
+    def take_row(self, row: int, source: KVCache, length: int) -> None:
+        """Copy the first `length` tokens a one-sequence cache holds into `row`."""
+        self.k[:, row, :, :length] = source.k[:, 0, :, :length]
+        self.v[:, row, :, :length] = source.v[:, 0, :, :length]
+        self.lengths[row] = length
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (ascending), moved to the front in that order; later forwards feed len(rows) rows."""
+        end = int(self.lengths[: self.rows].max())
+        for new, old in enumerate(rows):  # new <= old, in ascending order: a row is read before it is overwritten
+            if new != old:
+                self.k[:, new, :, :end] = self.k[:, old, :, :end]
+                self.v[:, new, :, :end] = self.v[:, old, :, :end]
+                self.lengths[new] = self.lengths[old]
+        self.rows = len(rows)
+
+    def begin(self, start: int, length: int) -> None:
+        """One token for each row, at the position after that row's tokens (`start` is unused: each row has its
+        own)."""
+        if length != 1:
+            raise ValueError("a batch is fed one token per row per forward")
+        positions = self.lengths[: self.rows].clone()  # a copy: the lengths grow below
+        self.end = int(positions.max()) + 1
+        if self.end > self.max_length:
+            raise ValueError(f"cache holds {self.max_length} tokens; asked for positions up to {self.end}")
+        self.slots = positions.to(self.k.device)
+        self.cos, self.sin = self.rope_cos[self.slots, None, None], self.rope_sin[self.slots, None, None]
+        # Rows of one length see the same slots and need no mask (a batch of one decodes exactly as KVCache does);
+        # otherwise each row is masked past its own token.
+        self.mask = None
+        if int(positions.min()) + 1 < self.end:
+            hidden = torch.arange(self.end, device=self.k.device)[None, :] > self.slots[:, None]
+            self.mask = torch.zeros(hidden.shape, dtype=self.k.dtype, device=self.k.device).masked_fill_(
+                hidden, float("-inf"))[:, None, None, :]  # (rows, 1, 1, end): broadcast over heads
+        self.lengths[: self.rows] += 1
+
+    def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """qk (rows, 1, H + KV, D) unrotated, v (rows, 1, KV, D): each row's next token. Returns (rows, 1, H * D)."""
+        B, H = qk.shape[0], self.n_heads
+        qk = apply_rope(qk, self.cos, self.sin)
+        q = qk[:, :, :H].transpose(1, 2)
+        rows = torch.arange(B, device=self.k.device)
+        self.k[layer, rows, :, self.slots] = qk[:, 0, H:]
+        self.v[layer, rows, :, self.slots] = v[:, 0]
+        keys, values = self.k[layer, :B, :, : self.end], self.v[layer, :B, :, : self.end]
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=self.n_kv_heads != H)
+        return y.transpose(1, 2).reshape(B, 1, -1)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig, layer: int):
         super().__init__()
@@ -210,10 +272,11 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.tok_embeddings.weight.dtype
 
-    def new_cache(self, max_length: int, batch: int = 1) -> KVCache:
+    def new_cache(self, max_length: int, batch: int = 1, kind: type[KVCache] = KVCache) -> KVCache:
+        """A `kind` cache (KVCache, or BatchKVCache for independent sequences) of `batch` rows."""
         self._ensure_rope(max_length)
-        return KVCache(self.config, max_length, self.rope_cos, self.rope_sin, batch, self.dtype,
-                       self.tok_embeddings.weight.device)
+        return kind(self.config, max_length, self.rope_cos, self.rope_sin, batch, self.dtype,
+                    self.tok_embeddings.weight.device)
 
     def _ensure_rope(self, length: int) -> None:
         if length > self._rope_length:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -42,6 +43,23 @@ def set_threads(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc serve large blocks from its heap and keep them there when freed (up to 2 GiB free at its
+    top), instead of mapping fresh pages for each block over 32 MB and unmapping them at free: IndexPool gathers
+    each query's far keys anew in every layer (~27 MB for a question's tokens), and faulting those pages in again
+    cost more than gathering them (benchmarks/question_read.py). Resident memory then stays near its peak instead
+    of shrinking between forwards; INDEXPOOL_KEEP_FREED_MEMORY=0 turns this off. False where it is off or the C
+    library is not glibc."""
+    if os.environ.get("INDEXPOOL_KEEP_FREED_MEMORY", "1") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
 DECODE_WEIGHTS = ("auto", "int4", "int8", "off")
 
 
@@ -63,6 +81,7 @@ def load_engine(model: str | os.PathLike | None, dtype: str = "auto", device: st
     A GGUF model's prepared weights (dequantized, plus the decode copies: seconds of work) are kept in the prepared
     weights cache (~/.cache/indexpool/models; INDEXPOOL_PREPARED_WEIGHTS=0 turns it off), so the next load reads
     them back instead."""
+    keep_freed_memory()
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
     decode_bits(decode_weights, 16)  # validate before the slow load
