@@ -64,25 +64,27 @@ class TrainingFreeIndexer:
         plain sum of ReLU logits lets a few heads with large logits outvote a retrieval head with a sharp one
         (passkey at 8K: 5/10 with the ReLU sum, 10/10 with this; docs/benchmarks.md).
 
-        The logits of a chunk of queries are one matmul with the pooled keys as the left operand, streamed once,
-        against block-diagonal queries (each head's query in its KV head's slice, zeros elsewhere): a decode step
-        at 32K pools takes 1.6 ms against 2.8 ms for three head-group products on strided slices (and on par at 8
-        queries). limits: (B, T) pools each query may see, the rest masked before the softmax."""
+        The logits of a chunk of queries are one matmul with the pooled keys against block-diagonal queries (each
+        head's query in its KV head's slice, zeros elsewhere, the 1/sqrt(D) scale folded in): a decode step at 32K
+        pools takes 1.6 ms against 2.8 ms for three head-group products on strided slices (and on par at 8
+        queries). One query takes the pooled keys as the left operand (streamed once), several as the right one
+        (no transposed copy of the logits); the softmax reads the logits in the keys' dtype, as the matmul gives
+        them, and computes in fp32. limits: (B, T) pools each query may see, the rest masked before the softmax."""
         B, T = q.shape[:2]
         P, D, G, KV = pooled.shape[1], self.head_dim, self.group, self.n_kv_heads
         H = KV * G
-        blocks = torch.eye(KV, dtype=pooled.dtype, device=q.device).view(1, KV, 1, KV, 1)
+        blocks = torch.eye(KV, dtype=pooled.dtype, device=q.device).view(1, KV, 1, KV, 1) * D**-0.5
         columns = torch.arange(P, device=q.device)
         scores = []
         for b in range(B):
-            for c in range(0, T, chunk):  # bounds the (chunk * heads, P) fp32 logits at long contexts
+            for c in range(0, T, chunk):  # bounds the (chunk * heads, P) logits at long contexts
                 n = min(chunk, T - c)
                 qc = (q[b, c : c + n].to(pooled.dtype).view(n, KV, G, 1, D) * blocks).reshape(n * H, KV * D)
-                logits = (pooled[b] @ qc.T).T.float().mul_(D**-0.5)  # (n * H, P)
+                logits = ((pooled[b] @ qc.T).T if n == 1 else qc @ pooled[b].T).unflatten(0, (n, H))  # (n, H, P)
                 hidden = None if limits is None else columns >= limits[b, c : c + n, None]  # (n, P)
                 if hidden is not None:
-                    logits.view(n, H, P).masked_fill_(hidden[:, None], float("-inf"))
-                probs = logits.softmax(dim=-1).view(n, H, P)
+                    logits = logits.masked_fill(hidden[:, None], float("-inf"))
+                probs = logits.softmax(dim=-1, dtype=torch.float32)
                 chunk_scores = torch.bmm(weights[b, c : c + n, None].float(), probs).view(n, P)
                 # -inf, not 0: a visible pool whose probability underflowed must still rank above hidden ones.
                 scores.append(chunk_scores if hidden is None else chunk_scores.masked_fill_(hidden, float("-inf")))
