@@ -265,8 +265,8 @@ def run_batch(session, tokenizer, prompts: list[DocumentPrompt], document: Docum
                                         evidence)
     results = []
     for (tokens, stats), prompt, found in zip(outputs, prompts, evidence):
-        results.append(job_result(generated_text(tokenizer, tokens), stats, prompt, document, found, True, cached, read_seconds,
-                                  stats.prefill_seconds + stats.decode_seconds, baseline))
+        results.append(job_result(generated_text(tokenizer, tokens), stats, prompt, document, found, True, cached,
+                                  read_seconds, stats.prefill_seconds + stats.decode_seconds, baseline))
     return results
 
 
@@ -279,7 +279,7 @@ def evidence_baseline(session, tokenizer, document: DocumentTokens, prompt: Docu
     """Where a neutral question's reading (PROBE_QUESTION, in `messages`' place) looks in the held document: the
     baseline sources are ranked against (`AttentionEvidence.beyond`). IndexPool sessions and documents long
     enough to have sources (None otherwise). Kept in the document cache beside the read document."""
-    if request_evidence(session.cache, prompt) is None or prompt.doc_end - prompt.doc_start <= EVIDENCE_MIN_DOCUMENT:
+    if not isinstance(session.cache, IndexPoolCache) or prompt.doc_end - prompt.doc_start <= EVIDENCE_MIN_DOCUMENT:
         return None
     probe = document_prompt(tokenizer, document, messages, session.cache.settings.kpool)
     baseline = request_evidence(session.cache, probe)
