@@ -3,9 +3,10 @@
 Builds a text document of about `--length` tokens from Python's own documentation (`pydoc_data.topics`) with 10
 facts of different shapes planted at depths 5% ... 95% (a password, a ship's name, a pier number, a town...), asks one
 question per fact
-with the default `ask` settings (greedy, IndexPool, sources from the indexer), and counts: answers containing the
-right number, answers whose first cited line range holds the fact, and, on the same document without the facts,
-answers that still contain the planted number (invented). One document read, every question asked on it (the
+with the default `ask` settings (greedy, IndexPool, sources from the indexer, the lines the question's reading
+found quoted before the answer; `--no-quote` answers without), and counts: answers containing the right value,
+answers whose first cited line range holds the fact, quotes holding it, and, on the same document without the
+facts, answers that still contain the planted value (invented). One document read, every question asked on it (the
 document cache is off: one process holds the read document).
 
     .venv/bin/python benchmarks/grounding.py --length 30000 --threads 1
@@ -102,12 +103,14 @@ def main() -> None:
                         help="rank sources on the plain attention mass, not beyond a neutral question's (as ask does)")
     parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
                         help="also ask on the document without the facts")
+    parser.add_argument("--quote", action=argparse.BooleanOptionalAction, default=True,
+                        help="quote the lines the question's reading found before answering (as ask does)")
     args = parser.parse_args()
 
     from indexpool_cli.attention import AttentionChoice, open_session
     from indexpool_cli.ingest import load_document
     from indexpool_cli.jobs import (PROBE_QUESTION, DocumentTokens, ask_request, document_prompt, evidence_baseline,
-                                    read_document, request_messages, run_request, session_identity)
+                                    plain_request, read_document, request_messages, run_request, session_identity)
     from model.generate import Sampler, SamplingParams
     from model.runtime import load_engine, set_threads
 
@@ -125,7 +128,8 @@ def main() -> None:
             path.write_text(text)
             document = load_document([str(path)])
         doc_tokens = DocumentTokens.encode(tok, document)
-        prompts = [document_prompt(tok, doc_tokens, request_messages(ask_request(question))) for question, _, _ in facts]
+        request = ask_request if args.quote else lambda question: plain_request(ask_request(question))
+        prompts = [document_prompt(tok, doc_tokens, request_messages(request(question))) for question, _, _ in facts]
         session = open_session(loaded, choice, max(len(p.ids) for p in prompts) + 40, auto="indexpool")
         identity = session_identity(loaded, session, choice)
         t0 = time.perf_counter()
@@ -135,7 +139,7 @@ def main() -> None:
         read_s = time.perf_counter() - t0
         print(f"\n{'with' if with_facts else 'WITHOUT'} facts: {prompts[0].doc_end - prompts[0].doc_start:,} document "
               f"tokens read in {read_s:.0f}s")
-        correct = cited = invented = 0
+        correct = cited = invented = quoted = 0
         for (question, code, line), prompt in zip(facts, prompts):
             result = run_request(session, tok, prompt, document, Sampler(SamplingParams(temperature=0)), 40, None,
                                  True, 0.0, baseline=None if args.plain_sources else baseline)
@@ -143,16 +147,19 @@ def main() -> None:
             hit = code.lower() in answer.lower()
             first = cited_lines(result.sources[0]["cite"]) if result.sources else None
             where = first is not None and first[0] <= line <= first[1]
+            in_quote = result.quote is not None and code.lower() in result.quote["text"].lower()
             if with_facts:
                 correct += hit
                 cited += where
+                quoted += in_quote
             else:
                 invented += hit
             shown = "; ".join(s["cite"].rsplit(":", 1)[-1] for s in result.sources)
             print(f"  {question[:40]:40} {code:>15} line {line:5}  {'OK ' if hit else '-- '} {'cite-OK' if where else 'cite--'}"
+                  f" {'quote-OK' if in_quote else 'quote--'}"
                   f"  [{shown}]  {answer[:70]!r}  ({result.answer_seconds:.1f}s)", flush=True)
         if with_facts:
-            print(f"answered {correct}/10, first source holds the fact {cited}/10")
+            print(f"answered {correct}/10, first source holds the fact {cited}/10, the quote holds it {quoted}/10")
         else:
             print(f"planted answers invented without the facts: {invented}/10")
 

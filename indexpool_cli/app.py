@@ -244,7 +244,7 @@ def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, ru
     `doc` and `loaded` when the caller has them already; `remote` sends the requests to a server instead."""
     from .attention import available_memory_bytes
     from .jobs import (PROBE_QUESTION, DocumentTokens, ask_request, batch_size, document_prompt, evidence_baseline,
-                       read_document, request_messages, run_batch, run_request, session_identity)
+                       plain_request, read_document, request_messages, run_batch, run_request, session_identity)
 
     doc = doc or document.load(paths)
     for note in doc.notes:
@@ -264,7 +264,7 @@ def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, ru
                 sys.stdout.write("\n")
             if not run.json_out:
                 sys.stdout.write(result.text)
-            _show_result(result, requests[i], served, run)
+            _show_result(result, plain_request(requests[i]), served, run)
 
         from .remote import sampling_fields
 
@@ -276,7 +276,7 @@ def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, ru
     tok = loaded.tokenizer
     doc_tokens = DocumentTokens.encode(tok, doc)
     prompts = [document_prompt(tok, doc_tokens, request_messages(request, system), attention.kpool) for request in requests]
-    needed = max(len(p.ids) for p in prompts) + max_new_tokens
+    needed = max(p.max_tokens for p in prompts) + max_new_tokens
     session = open_session(loaded, attention, needed, auto="indexpool")
     identity = session_identity(loaded, session, attention)
     doc_cache = document.cache()
@@ -288,7 +288,7 @@ def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, ru
     baseline = evidence_baseline(session, tok, doc_tokens, prompts[0], probe, identity, doc_cache, description,
                                  lambda m: _warn(m, run))
     read_seconds = time.perf_counter() - t0
-    budget = min(max_new_tokens, session.max_length - max(len(p.ids) for p in prompts))
+    budget = min(max_new_tokens, session.max_length - max(p.max_tokens for p in prompts))
     size = batch_size(session, prompts, budget, available_memory_bytes())
     done = 0
     while done < len(prompts):  # every prompt starts with the document, which the session now holds
@@ -309,7 +309,7 @@ def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, ru
             if not run.json_out:
                 if size > 1:
                     sys.stdout.write(("\n" if i > done else "") + result.text)
-            _show_result(result, requests[i], loaded, run)
+            _show_result(result, plain_request(requests[i]), loaded, run)
         done += len(results)
 
 
@@ -360,6 +360,7 @@ def ask(
     path: Annotated[str, typer.Argument(help="A file, a folder, or '-' for stdin.")],
     question: Annotated[Optional[str], typer.Argument(help="The question.")] = None,
     questions: Annotated[Optional[list[str]], typer.Option("--question", "-Q", help="More questions on the same document (repeatable): it is read once, and the questions decode as one batch.")] = None,
+    quote: Annotated[bool, typer.Option("--quote/--no-quote", help="Read the question first, then quote the lines its reading found most (beyond a neutral question's) to the model before it answers (documents over 1,024 tokens, IndexPool; in --json as \"quote\").")] = True,
     max_new_tokens: MaxNewOpt = 200,
     run: RunChoice = None,
     sampling: SamplingChoice = None,
@@ -370,7 +371,7 @@ def ask(
     """Answer questions about a document, book, codebase or chat log, citing the pages, lines or messages the
     answer rests on. The whole input is read in one context (IndexPool); a second question on the same input
     starts from the document cache."""
-    from .jobs import ask_request
+    from .jobs import ask_request, plain_request
 
     asked = ([question] if question else []) + list(questions or [])
     if not asked:
@@ -378,8 +379,8 @@ def ask(
     if any(not q.strip() for q in asked):
         raise typer.BadParameter("a question is empty")
     remote.check()
-    _document_job([path], [ask_request(q) for q in asked], max_new_tokens, run, sampling, attention, document,
-                  remote=remote, kind="ask")
+    requests = [ask_request(q) if quote else plain_request(ask_request(q)) for q in asked]
+    _document_job([path], requests, max_new_tokens, run, sampling, attention, document, remote=remote, kind="ask")
 
 
 @document_command

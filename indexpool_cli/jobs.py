@@ -7,6 +7,11 @@ Sources come from what the model attended to: while the question and the answer 
 attention probability of every token it attends to (sinks aside: the selected far tokens and the recent window) is
 summed over heads and layers (`AttentionEvidence`); the parts holding the most beyond what a neutral question's
 reading gives them (`evidence_baseline`: some tokens draw attention whatever is asked) are cited.
+
+A question is answered in two steps where the document is long enough to have sources: the question is read, the
+lines its reading looked at most (beyond the baseline) are quoted after it (`evidence_quote`), then the answer is
+written. The default model finds the right line far more often than it answers from it at a distance
+(benchmarks/grounding.py at 30K: the first source held the fact 10/10, the answers 4/10; 10/10 with the quote).
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ from .console import InputError
 from .ingest import Document, Part
 
 DOCUMENT_MARK = "\x00DOCUMENT\x00"  # where the document goes in the rendered chat template
+QUOTE_MARK = "\x00QUOTE\x00"  # where an ask request takes the quoted lines (left out where nothing is quoted)
+QUOTE_TOKENS = 96  # most document tokens quoted
+QUOTE_LINE_SHARE = 0.5  # lines next to the best one join the quote when their evidence is this share of its
+QUOTE_OPEN, QUOTE_CLOSE = 'From the document: "', '"\n'  # the quote's frame (measured against two others)
 MAX_SOURCES = 3
 SOURCE_SHARE = 0.5  # a part is cited when its evidence is at least this share of the best part's
 EVIDENCE_LOCAL_BAND = 256  # tokens before a query whose attention is local context, not evidence
@@ -60,6 +69,12 @@ class DocumentPrompt:
     doc_end: int
     part_spans: list[tuple[int, int]]  # token range of each part
     reusable: int  # leading tokens every request on this document shares (cached)
+    quote_at: int | None = None  # where quoted lines go in ids (the request had QUOTE_MARK), else None
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens the prompt can grow to: its own, and a quote's (`with_quote`)."""
+        return len(self.ids) + (0 if self.quote_at is None else QUOTE_TOKENS + QUOTE_FRAME_TOKENS)
 
 
 def request_messages(request: str, system: str | None = None) -> list[dict]:
@@ -69,7 +84,8 @@ def request_messages(request: str, system: str | None = None) -> list[dict]:
 
 
 def document_prompt(tokenizer, document: DocumentTokens, messages: list[dict], kpool: int = 4) -> DocumentPrompt:
-    """The chat template around `messages`, one of which holds DOCUMENT_MARK where the document goes."""
+    """The chat template around `messages`, one of which holds DOCUMENT_MARK where the document goes (and may hold
+    QUOTE_MARK after it, where `with_quote` puts quoted lines)."""
     head, tail = tokenizer.render_chat(messages).split(DOCUMENT_MARK)
     ids = tokenizer.encode(head, allow_special=True)
     if tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
@@ -78,8 +94,65 @@ def document_prompt(tokenizer, document: DocumentTokens, messages: list[dict], k
     spans = [(doc_start + start, doc_start + end) for start, end in document.part_spans]
     ids += document.ids
     doc_end = len(ids)
+    quote_at = None
+    if QUOTE_MARK in tail:
+        before, tail = tail.split(QUOTE_MARK)
+        ids += tokenizer.encode(before, allow_special=True)
+        quote_at = len(ids)
     ids += tokenizer.encode(tail, allow_special=True)
-    return DocumentPrompt(ids, doc_start, doc_end, spans, reusable=doc_end - doc_end % kpool)
+    return DocumentPrompt(ids, doc_start, doc_end, spans, reusable=doc_end - doc_end % kpool, quote_at=quote_at)
+
+
+QUOTE_FRAME_TOKENS = 16  # room for the quote's frame (QUOTE_OPEN, QUOTE_CLOSE) in `DocumentPrompt.max_tokens`
+
+
+@dataclass
+class Quote:
+    tokens: list[int]  # document tokens quoted
+    start: int  # position of the first in the prompt
+    text: str
+
+
+def evidence_quote(tokenizer, prompt: DocumentPrompt, evidence: AttentionEvidence,
+                   baseline: AttentionEvidence) -> Quote | None:
+    """The document's lines a question's reading looked at most beyond the baseline: the best line, with the
+    lines next to it that hold at least QUOTE_LINE_SHARE of its evidence (a sentence broken over lines), at most
+    QUOTE_TOKENS tokens (centred on the evidence); None when nothing stands out."""
+    mass = evidence.beyond(baseline)  # per token of [evidence.start, evidence.end)
+    ids = prompt.ids[evidence.start : evidence.end]
+    if not ids:
+        return None
+    breaks = tokenizer.line_break_ids
+    ends = torch.tensor([token in breaks for token in ids], dtype=torch.long)
+    line = ends.cumsum(0) - ends  # a token that holds the line break ends its line
+    scores = torch.zeros(int(line[-1]) + 1).index_add_(0, line, mass)
+    best = int(scores.argmax())
+    if scores[best] <= 0:
+        return None
+    first = last = best
+    while first > 0 and scores[first - 1] >= QUOTE_LINE_SHARE * scores[best]:
+        first -= 1
+    while last + 1 < len(scores) and scores[last + 1] >= QUOTE_LINE_SHARE * scores[best]:
+        last += 1
+    inside = ((line >= first) & (line <= last)).nonzero().flatten()
+    a, b = int(inside[0]), int(inside[-1]) + 1
+    if b - a > QUOTE_TOKENS:  # QUOTE_TOKENS tokens centred on the evidence
+        weights = mass[a:b]
+        centre = a + int((weights * torch.arange(b - a)).sum() / weights.sum())
+        a = min(max(a, centre - QUOTE_TOKENS // 2), b - QUOTE_TOKENS)
+        b = a + QUOTE_TOKENS
+    while b > a and not tokenizer.decode(ids[b - 1 : b]).strip():  # the line break and spaces after the text
+        b -= 1
+    text = tokenizer.decode(ids[a:b]).strip()
+    return Quote(ids[a:b], evidence.start + a, text) if text else None
+
+
+def with_quote(tokenizer, prompt: DocumentPrompt, quote: Quote | None) -> list[int]:
+    """The prompt's tokens with the quote in its place (as the prompt is, when there is none)."""
+    if quote is None or prompt.quote_at is None:
+        return prompt.ids
+    frame = tokenizer.encode(QUOTE_OPEN), tokenizer.encode(QUOTE_CLOSE)
+    return prompt.ids[: prompt.quote_at] + frame[0] + quote.tokens + frame[1] + prompt.ids[prompt.quote_at :]
 
 
 @dataclass
@@ -94,9 +167,10 @@ class JobResult:
     answer_seconds: float = 0.0  # the request and the generated text
     stop_reason: str = ""
     notes: list[str] = field(default_factory=list)
+    quote: dict | None = None  # the lines quoted to the model before it answered (`evidence_quote`)
 
     def to_json(self) -> dict:
-        return {"text": self.text, "sources": self.sources,
+        return {"text": self.text, "sources": self.sources, "quote": self.quote,
                 "tokens": {"prompt": self.prompt_tokens, "document": self.document_tokens, "new": self.new_tokens},
                 "cached": self.cached, "stop_reason": self.stop_reason,
                 "timings": {"read_seconds": round(self.read_seconds, 3), "answer_seconds": round(self.answer_seconds, 3)},
@@ -175,10 +249,14 @@ def request_evidence(cache, prompt: DocumentPrompt) -> AttentionEvidence | None:
 
 def job_result(text: str, stats, prompt: DocumentPrompt, document: Document,
                evidence: AttentionEvidence | None, with_sources: bool, cached: bool, read_seconds: float,
-               answer_seconds: float, baseline: AttentionEvidence | None = None) -> JobResult:
-    result = JobResult(text, prompt_tokens=len(prompt.ids),
+               answer_seconds: float, baseline: AttentionEvidence | None = None,
+               quote: Quote | None = None) -> JobResult:
+    result = JobResult(text, prompt_tokens=stats.prompt_tokens,
                        document_tokens=prompt.doc_end - prompt.doc_start, new_tokens=stats.new_tokens, cached=cached,
                        read_seconds=read_seconds, answer_seconds=answer_seconds, stop_reason=stats.stop_reason)
+    if quote is not None:
+        part = next(i for i, (start, end) in enumerate(prompt.part_spans) if start <= quote.start < end)
+        result.quote = {"text": quote.text, "cite": document.parts[part].cite}
     if evidence is not None:
         result.sources = rank_sources(evidence, prompt, document, baseline)
     elif with_sources:
@@ -191,7 +269,8 @@ def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, 
                 on_text: Callable[[str], None] | None, cached: bool, read_seconds: float,
                 with_sources: bool = True, baseline: AttentionEvidence | None = None) -> JobResult:
     """Append the request to the held document, generate (streaming text to on_text), and collect sources
-    (ranked beyond `baseline`, `evidence_baseline`'s, when given)."""
+    (ranked beyond `baseline`, `evidence_baseline`'s, when given). A request with a place for a quote, given a
+    baseline, is read in two steps: up to that place, then with the lines its reading pointed at quoted there."""
     from model.generate import GenerationStats
 
     cache = session.cache
@@ -200,10 +279,15 @@ def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, 
         cache.evidence = evidence
     stats = GenerationStats()
     decoder = tokenizer.stream_decoder()
-    pieces = []
+    pieces, quote = [], None
     t0 = time.perf_counter()
     try:
-        for token in session.generate(prompt.ids, sampler, max_new_tokens, tokenizer.stop_ids, stats):
+        ids = prompt.ids
+        if quotes(prompt, evidence, baseline):
+            session.prefill(prompt.ids[: prompt.quote_at])
+            quote = evidence_quote(tokenizer, prompt, evidence, baseline)
+            ids = with_quote(tokenizer, prompt, quote)
+        for token in session.generate(ids, sampler, max_new_tokens, tokenizer.stop_ids, stats):
             pieces.append(piece := decoder.push(token))
             if piece and on_text:
                 on_text(piece)
@@ -214,7 +298,12 @@ def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, 
         if evidence is not None:
             cache.evidence = None
     return job_result("".join(pieces), stats, prompt, document, evidence, with_sources, cached, read_seconds,
-                      time.perf_counter() - t0, baseline)
+                      time.perf_counter() - t0, baseline, quote)
+
+
+def quotes(prompt: DocumentPrompt, evidence: AttentionEvidence | None, baseline: AttentionEvidence | None) -> bool:
+    """Whether a request is read in two steps, quoting what its first step found (see `run_request`)."""
+    return prompt.quote_at is not None and evidence is not None and baseline is not None
 
 
 MAX_BATCH = 16  # requests per batch: each step's cost grows with the batch once the weights are amortised
@@ -233,9 +322,10 @@ def batch_size(session, prompts: list[DocumentPrompt], max_new_tokens: int, avai
     from model.indexpool_branches import bytes_per_branch
 
     ids = [p.ids for p in prompts]
-    if len(prompts) < 2 or not session.can_branch(ids, max_new_tokens):
+    more = max(p.max_tokens - len(p.ids) for p in prompts)  # a quote's tokens
+    if len(prompts) < 2 or not session.can_branch(ids, max_new_tokens + more):
         return 1
-    capacity = max(len(i) for i in ids) - len(session.tokens) + max_new_tokens
+    capacity = max(p.max_tokens for p in prompts) - len(session.tokens) + max_new_tokens
     return requests_that_fit(len(prompts), bytes_per_branch(session.cache, capacity), available_bytes)
 
 
@@ -258,15 +348,28 @@ def generated_text(tokenizer, tokens: list[int]) -> str:
 
 def run_batch(session, tokenizer, prompts: list[DocumentPrompt], document: Document, sampler, max_new_tokens: int,
               cached: bool, read_seconds: float, baseline: AttentionEvidence | None = None) -> list[JobResult]:
-    """Requests on the held document decoded together as branches (`Session.generate_branches`); answer seconds
-    are each request's reading plus the batch's decoding."""
+    """Requests on the held document decoded together as branches (`Session.generate_branches`), each read as
+    `run_request` reads it (in two steps where it quotes); answer seconds are each request's reading plus the
+    batch's decoding."""
     evidence = [request_evidence(session.cache, p) for p in prompts]
-    outputs = session.generate_branches([p.ids for p in prompts], sampler, max_new_tokens, tokenizer.stop_ids,
-                                        evidence)
+    quoting = [quotes(p, found, baseline) for p, found in zip(prompts, evidence)]
+    found_quotes: list[Quote | None] = [None] * len(prompts)
+
+    def then_read(b: int) -> list[int]:  # after the first step of a quoting request: the quote and the rest
+        prompt = prompts[b]
+        if not quoting[b]:
+            return []
+        found_quotes[b] = evidence_quote(tokenizer, prompt, evidence[b], baseline)
+        return with_quote(tokenizer, prompt, found_quotes[b])[prompt.quote_at :]
+
+    heads = [p.ids[: p.quote_at] if q else p.ids for p, q in zip(prompts, quoting)]
+    more = max(p.max_tokens - len(h) for p, h in zip(prompts, heads))
+    outputs = session.generate_branches(heads, sampler, max_new_tokens, tokenizer.stop_ids, evidence,
+                                        then_read, more_tokens=more)
     results = []
-    for (tokens, stats), prompt, found in zip(outputs, prompts, evidence):
+    for (tokens, stats), prompt, found, quote in zip(outputs, prompts, evidence, found_quotes):
         results.append(job_result(generated_text(tokenizer, tokens), stats, prompt, document, found, True, cached,
-                                  read_seconds, stats.prefill_seconds + stats.decode_seconds, baseline))
+                                  read_seconds, stats.prefill_seconds + stats.decode_seconds, baseline, quote))
     return results
 
 
@@ -307,7 +410,13 @@ def evidence_baseline(session, tokenizer, document: DocumentTokens, prompt: Docu
 
 
 def ask_request(question: str) -> str:
-    return f"Question: {question}\nAnswer in one short sentence, with the exact words of the document above."
+    """A question, with a place for the quote (QUOTE_MARK: see `plain_request`)."""
+    return f"Question: {question}\n{QUOTE_MARK}Answer in one short sentence, with the exact words of the document above."
+
+
+def plain_request(request: str) -> str:
+    """A request as a user or a server sees it: without the place for a quote."""
+    return request.replace(QUOTE_MARK, "")
 
 
 def summary_request(length: str, focus: str | None) -> str:

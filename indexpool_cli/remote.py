@@ -39,7 +39,7 @@ import typer
 
 from .console import InputError
 from .ingest import Document, Part
-from .jobs import DOCUMENT_MARK, MAX_SOURCES, SOURCE_SHARE, JobResult, request_messages, split_sections
+from .jobs import DOCUMENT_MARK, MAX_SOURCES, SOURCE_SHARE, JobResult, plain_request, request_messages, split_sections
 
 BACKENDS = ("local", "openai")
 JOB_KINDS = {"ask": "Answer from", "summarize": "Summary of"}  # kind -> label of a section's result in a later level
@@ -467,9 +467,9 @@ class RemoteJob:
 
     def send(self, document_text: str, request: str) -> Future:
         """One request on the calls pool: the messages the local engine reads (`jobs.request_messages`), the
-        document's text in its place."""
+        document's text in its place (the server quotes nothing: `jobs.plain_request`)."""
         messages = [{**message, "content": message["content"].replace(DOCUMENT_MARK, document_text)}
-                    for message in request_messages(request)]
+                    for message in request_messages(plain_request(request))]
         return self.calls.submit(self.client.chat, self.model.name, messages, self.max_new_tokens, self.sampling)
 
     def run(self, requests: list[str], on_result: Callable[[int, JobResult], None]) -> list[JobResult]:

@@ -219,7 +219,8 @@ class Session:
 
     def can_branch(self, prompts: list[list[int]], max_new_tokens: int) -> bool:
         """Whether `generate_branches` can run these prompts as one batch: an IndexPool session holding tokens
-        they all start with, and room for each branch's own tokens (`max_branch_tokens`)."""
+        they all start with, and room for each branch's own tokens (`max_branch_tokens`; max_new_tokens counts
+        every token a branch may add to its prompt)."""
         if not isinstance(self.cache, IndexPoolCache) or not prompts:
             return False
         n = self._branch_point(prompts)
@@ -228,17 +229,20 @@ class Session:
     @torch.inference_mode()
     def generate_branches(self, prompts: list[list[int]], sampler: Sampler, max_new_tokens: int,
                           stop_ids: frozenset[int] | set[int] = frozenset(),
-                          evidence: list[AttentionEvidence | None] | None = None) -> list[tuple[list[int], GenerationStats]]:
+                          evidence: list[AttentionEvidence | None] | None = None,
+                          then_read: Callable[[int], list[int]] | None = None,
+                          more_tokens: int = 0) -> list[tuple[list[int], GenerationStats]]:
         """Continue several prompts that start with tokens held (questions on a held document), decoding them as
         one batch (`model/indexpool_branches.py`); see `can_branch`. Each prompt's own tokens are read one prompt
-        at a time (each question selects for itself); then every step feeds all unfinished branches together.
+        at a time (each question selects for itself), and then `then_read(b)`'s tokens (at most `more_tokens`:
+        what the reading of prompt b found, quoted); then every step feeds all unfinished branches together.
         The session holds the shared tokens again afterwards. Returns each prompt's new tokens and stats (decode
         seconds are the batch's)."""
-        if not self.can_branch(prompts, max_new_tokens):
+        if not self.can_branch(prompts, max_new_tokens + more_tokens):
             raise ValueError("these prompts cannot be decoded as branches of the tokens held")
         shared = self.tokens[: self.cache.truncate(self._branch_point(prompts))]
         self.tokens = shared
-        capacity = max(len(p) for p in prompts) - len(shared) + max_new_tokens
+        capacity = max(len(p) for p in prompts) - len(shared) + max_new_tokens + more_tokens
         branches = IndexPoolBranches(self.cache, len(prompts), capacity)
         evidence = evidence or [None] * len(prompts)
         stats, first_logits = [GenerationStats(prompt_tokens=len(p)) for p in prompts], []
@@ -246,7 +250,14 @@ class Session:
             t0 = time.perf_counter()
             self.cache.evidence = evidence[b]
             try:
-                first_logits.append(self.prefill(prompt))
+                logits = self.prefill(prompt)
+                more = then_read(b) if then_read else []
+                if len(more) > more_tokens:
+                    raise ValueError(f"then_read gave {len(more)} tokens, more than more_tokens ({more_tokens})")
+                if more:
+                    logits = self.prefill(prompt + more)
+                    stats[b].prompt_tokens += len(more)
+                first_logits.append(logits)
             finally:
                 self.cache.evidence = None
             branches.take_branch(b)

@@ -13,7 +13,7 @@ import os
 import re
 import unicodedata
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import jinja2
@@ -309,6 +309,11 @@ class Tokenizer:
     def decode(self, ids) -> str:
         """Text of `ids`, special tokens included; invalid UTF-8 becomes U+FFFD."""
         return b"".join(self._token_bytes[i] for i in ids).decode("utf-8", errors="replace")
+
+    @cached_property
+    def line_break_ids(self) -> frozenset[int]:
+        """The ids of the tokens whose text holds a line break: where lines end in a sequence of token ids."""
+        return frozenset(i for i, token in enumerate(self._token_bytes) if b"\n" in token)
 
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self._token_bytes, self._control_ids)

@@ -43,6 +43,15 @@ def test_ask_answers_from_the_document_and_cites_the_fact_line(first_and_second_
     fact_line = report.read_text().splitlines().index(FACT) + 1
     start, end = map(int, first["sources"][0]["cite"].rsplit(":", 1)[1].split("-"))
     assert start <= fact_line <= end, first["sources"]
+    # The question's reading found the fact's line, which was quoted to the model before it answered.
+    assert first["quote"] == {"text": FACT, "cite": first["sources"][0]["cite"]}
+
+
+def test_ask_without_the_quote(report):
+    out = json.loads(ok(indexpool("ask", str(report), QUESTION, "--no-quote", "--json", "--quiet", "--no-cache",
+                                  "-n", "8")))
+    assert out["quote"] is None and out["sources"]
+    assert out["request"] == f"Question: {QUESTION}\nAnswer in one short sentence, with the exact words of the document above."
 
 
 def test_second_ask_restores_the_document_from_the_cache(first_and_second_ask):

@@ -115,6 +115,37 @@ def test_generate_branches_gives_each_prompt_its_greedy_continuation():
     assert session.tokens == document and session.cache.length == len(document)
 
 
+def test_branches_read_what_then_read_adds_after_their_prompt():
+    """`then_read(b)` runs after prompt b is read and its tokens are read after it (a quote of what the reading
+    found): each branch continues as `generate` continues the prompt read in the same two steps; a branch given
+    nothing more continues its prompt; more tokens than announced are refused."""
+    model = tiny_model(9)
+    session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
+    document = prompts_for(10, [100])[0]
+    session.prefill(document, query_tail=False)
+    prompts = [document + [3, 1], document + [8, 4, 2]]
+    more = [[5, 9, 2, 6], []]
+    greedy = Sampler(SamplingParams(temperature=0))
+    expected = []
+    for prompt, extra in zip(prompts, more):
+        session.prefill(prompt)
+        expected.append(list(session.generate(prompt + extra, greedy, 6)))
+        session.cache.truncate(len(document))
+        session.tokens = list(document)
+    read_after = []
+
+    def then_read(b: int) -> list[int]:
+        read_after.append((b, list(session.tokens)))
+        return more[b]
+
+    results = session.generate_branches(prompts, greedy, 6, then_read=then_read, more_tokens=4)
+    assert [tokens for tokens, _ in results] == expected
+    assert read_after == [(0, prompts[0]), (1, prompts[1])]  # each called with its prompt just read
+    assert [stats.prompt_tokens for _, stats in results] == [len(p) + len(m) for p, m in zip(prompts, more)]
+    with pytest.raises(ValueError, match="more than more_tokens"):
+        session.generate_branches(prompts, greedy, 6, then_read=then_read, more_tokens=3)
+
+
 def test_branches_that_could_reach_their_own_tokens_are_refused():
     """A branch longer than window - kpool would select pools of its own tokens, which only the base cache holds
     for one sequence: refused, and the session says it cannot branch."""

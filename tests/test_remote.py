@@ -26,7 +26,7 @@ import pytest
 
 from indexpool_cli.console import InputError
 from indexpool_cli.ingest import Document, Part, load_document
-from indexpool_cli.jobs import DOCUMENT_MARK, JobResult, ask_request, request_messages, summary_request
+from indexpool_cli.jobs import DOCUMENT_MARK, JobResult, ask_request, plain_request, request_messages, summary_request
 from indexpool_cli.remote import (ContextTooLong, OpenAIClient, RemoteChoice, RemoteError, ResultCache,
                                   ServerAddress, matched_sources, run_remote_job, sampling_fields)
 from doc_fixtures import write_planted_report
@@ -211,8 +211,9 @@ def test_32_questions_at_concurrency_4_none_lost(server, document, monkeypatch):
     results, seen = run(document, questions, remote(server, max_concurrency=4), max_new_tokens=4)
     assert seen == list(range(32))  # every result, in request order
     assert all(result.new_tokens >= 1 and result.text for result in results)
-    local_prompts = [request_messages(q)[-1]["content"].replace(DOCUMENT_MARK, document.text) for q in questions]
-    assert sorted(chats.sent) == sorted(local_prompts)  # each sent once, as the local engine reads it
+    local_prompts = [request_messages(plain_request(q))[-1]["content"].replace(DOCUMENT_MARK, document.text)
+                     for q in questions]
+    assert sorted(chats.sent) == sorted(local_prompts)  # each sent once, as the local engine reads it (no quote)
     assert chats.most_in_flight == 4
 
 
