@@ -270,7 +270,8 @@ def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, 
                 with_sources: bool = True, baseline: AttentionEvidence | None = None) -> JobResult:
     """Append the request to the held document, generate (streaming text to on_text), and collect sources
     (ranked beyond `baseline`, `evidence_baseline`'s, when given). A request with a place for a quote, given a
-    baseline, is read in two steps: up to that place, then with the lines its reading pointed at quoted there."""
+    baseline, is read in two steps: up to that place, then with the lines its reading pointed at quoted there
+    (`Session.read_shared`: the quote sits in the recent window; its far selection matters little)."""
     from model.generate import GenerationStats
 
     cache = session.cache
@@ -287,6 +288,7 @@ def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, 
             session.prefill(prompt.ids[: prompt.quote_at])
             quote = evidence_quote(tokenizer, prompt, evidence, baseline)
             ids = with_quote(tokenizer, prompt, quote)
+            session.read_shared(ids)  # `generate` reads the last token
         for token in session.generate(ids, sampler, max_new_tokens, tokenizer.stop_ids, stats):
             pieces.append(piece := decoder.push(token))
             if piece and on_text:

@@ -144,6 +144,19 @@ class Session:
         return logits[:, -1]
 
     @torch.inference_mode()
+    def read_shared(self, prompt: list[int]) -> None:
+        """Hold `prompt` but its last token, the new tokens sharing one far selection (IndexPool: for tokens whose
+        far context matters little, such as a quote of lines the recent window holds; per-query selection costs
+        each query a gather of topk keys per layer). The `prefill` or `generate` of `prompt` that follows reads
+        the last token, which selects for itself as the tokens after it will."""
+        if isinstance(self.cache, IndexPoolCache) and len(prompt) - common_prefix(self.tokens, prompt) > 1:
+            self.cache.shared_selection = True
+            try:
+                self.prefill(prompt[:-1])
+            finally:
+                self.cache.shared_selection = False
+
+    @torch.inference_mode()
     def generate(
         self,
         prompt: list[int],
@@ -235,7 +248,8 @@ class Session:
         """Continue several prompts that start with tokens held (questions on a held document), decoding them as
         one batch (`model/indexpool_branches.py`); see `can_branch`. Each prompt's own tokens are read one prompt
         at a time (each question selects for itself), and then `then_read(b)`'s tokens (at most `more_tokens`:
-        what the reading of prompt b found, quoted); then every step feeds all unfinished branches together.
+        what the reading of prompt b found, quoted; read by `read_shared`); then every step feeds all
+        unfinished branches together.
         The session holds the shared tokens again afterwards. Returns each prompt's new tokens and stats (decode
         seconds are the batch's)."""
         if not self.can_branch(prompts, max_new_tokens + more_tokens):
@@ -255,6 +269,7 @@ class Session:
                 if len(more) > more_tokens:
                     raise ValueError(f"then_read gave {len(more)} tokens, more than more_tokens ({more_tokens})")
                 if more:
+                    self.read_shared(prompt + more)
                     logits = self.prefill(prompt + more)
                     stats[b].prompt_tokens += len(more)
                 first_logits.append(logits)

@@ -206,6 +206,7 @@ class IndexPoolCache:
         # Called as on_select(layer, query_positions, far_positions) after each layer's selection.
         self.on_select: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
         self.evidence: AttentionEvidence | None = None  # set to learn where short forwards (a question, an answer) look
+        self.shared_selection = False  # set for forwards whose queries share one selection however short they are
         self.backend = kernel_backend(self.inv_freq.device)
 
     def bytes_per_token(self) -> dict[str, float]:
@@ -296,7 +297,7 @@ class IndexPoolCache:
             self.recent_start = self.ws
         self.n_sinks = min(s.sinks, self.ws)
         self.n_far = self.ws - self.n_sinks
-        self.per_block = length <= s.query_tokens and self.n_far > s.topk
+        self.per_block = length <= s.query_tokens and self.n_far > s.topk and not self.shared_selection
         self.query_block = min(s.query_block, length) if self.per_block else length
         # While everything is selected inside the trained context, attention is exactly dense.
         self.true_positions = self.n_far <= s.topk and self.end <= self.context_length

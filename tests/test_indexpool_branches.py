@@ -117,8 +117,8 @@ def test_generate_branches_gives_each_prompt_its_greedy_continuation():
 
 def test_branches_read_what_then_read_adds_after_their_prompt():
     """`then_read(b)` runs after prompt b is read and its tokens are read after it (a quote of what the reading
-    found): each branch continues as `generate` continues the prompt read in the same two steps; a branch given
-    nothing more continues its prompt; more tokens than announced are refused."""
+    found, by `read_shared`): each branch continues as `generate` continues the prompt read in the same steps; a
+    branch given nothing more continues its prompt; more tokens than announced are refused."""
     model = tiny_model(9)
     session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
     document = prompts_for(10, [100])[0]
@@ -129,6 +129,7 @@ def test_branches_read_what_then_read_adds_after_their_prompt():
     expected = []
     for prompt, extra in zip(prompts, more):
         session.prefill(prompt)
+        session.read_shared(prompt + extra)
         expected.append(list(session.generate(prompt + extra, greedy, 6)))
         session.cache.truncate(len(document))
         session.tokens = list(document)
@@ -144,6 +145,27 @@ def test_branches_read_what_then_read_adds_after_their_prompt():
     assert [stats.prompt_tokens for _, stats in results] == [len(p) + len(m) for p, m in zip(prompts, more)]
     with pytest.raises(ValueError, match="more than more_tokens"):
         session.generate_branches(prompts, greedy, 6, then_read=then_read, more_tokens=3)
+
+
+def test_read_shared_reads_new_tokens_with_one_selection_but_the_last():
+    model = tiny_model(11)
+    session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
+    document = prompts_for(12, [100])[0]
+    session.prefill(document, query_tail=False)
+    more = [5, 9, 2, 6, 1]
+    selections = []
+    session.cache.on_select = lambda layer, positions, far: selections.append((layer, len(positions), far.shape[0]))
+    session.read_shared(document + more)
+    assert session.tokens == document + more[:-1]
+    assert {(n, blocks) for layer, n, blocks in selections} == {(4, 1)}  # 4 queries, one selection per layer
+    selections.clear()
+    session.prefill(document + more)  # the last token, on its own
+    assert {(n, blocks) for layer, n, blocks in selections} == {(1, 1)}
+    selections.clear()
+    session.cache.truncate(len(document))
+    session.tokens = list(document)
+    session.prefill(document + more)  # as a question's tokens are read: a selection per query
+    assert {(n, blocks) for layer, n, blocks in selections} == {(5, 5)}
 
 
 def test_branches_that_could_reach_their_own_tokens_are_refused():
