@@ -198,9 +198,12 @@ class IndexPoolBranches:
         scale = D**-0.5
         far_mass = torch.zeros(far.shape) if far_k is None else gathered_key_mass(q, far_k, lse) * self.far_valid
         q_rows = q.transpose(0, 1).reshape(KV, B * group, D)
+        # Keys in every branch's local band are left out below: not computed at all.
+        limit = max(self.doc_window_start, min(self.prefix, int(self.positions.max()) - self.local_band + 1))
+        doc_k = doc_k[:, : limit - self.doc_window_start]
         doc_logits = (q_rows @ doc_k.transpose(-1, -2)).float().view(KV, B, group, -1).transpose(0, 1) * scale
         doc_mass = (doc_logits - lse[..., None]).exp().sum(dim=(1, 2))  # (B, W)
-        doc_positions = torch.arange(self.doc_window_start, self.prefix)
+        doc_positions = torch.arange(self.doc_window_start, limit)
         hidden = (doc_positions < self.ws[:, None]) | (doc_positions > (self.positions - self.local_band)[:, None])
         positions = torch.cat([far, doc_positions.expand(B, -1)], dim=1)
         mass = torch.cat([far_mass, doc_mass.masked_fill_(hidden, 0)], dim=1)

@@ -422,11 +422,14 @@ class IndexPoolCache:
         whole forward's log-sum-exp (short forwards only: a question, an answer token)."""
         KV, D = self.n_kv_heads, self.head_dim
         lse = torch.stack([part_lse for _, part_lse in parts]).logsumexp(dim=0)[0]  # (KV, rows)
-        if window_end > self.ws:
-            keys = self.recent_k[layer, :, self.ws - self.recent_start : window_end - self.recent_start]
+        # Keys from end - local_band on are in every query's local band (masked below): not computed at all. In a
+        # document many windows long (local band = window) that is all the window but a pool's worth.
+        limit = min(window_end, self.end - self.evidence.local_band)
+        if limit > self.ws:
+            keys = self.recent_k[layer, :, self.ws - self.recent_start : limit - self.recent_start]
             # keys @ q^T reads the window's keys where they lie; q @ keys^T copied them into a transposed layout.
             logits = (keys @ q_rows[0].transpose(-1, -2)).transpose(-1, -2).float() * D**-0.5  # (KV, rows, W)
-            positions = torch.arange(self.ws, window_end, device=logits.device)
+            positions = torch.arange(self.ws, limit, device=logits.device)
             query_positions = self.positions.repeat_interleave(self.n_heads // KV)
             local = positions[None, :] > query_positions[:, None] - self.evidence.local_band
             mass = (logits - lse[..., None]).exp().masked_fill_(local, 0).sum(dim=(0, 1))

@@ -231,6 +231,28 @@ def test_evidence_points_at_what_the_queries_attend_to():
     assert 0 < int(attended.sum()) < 120  # past the context: only sinks, selected pools and the window are seen
 
 
+@pytest.mark.parametrize("band", [3, 20])
+def test_evidence_leaves_out_the_local_band_before_the_query(band):
+    """With a local band, a query's evidence is its evidence without one, less the keys in the band before it
+    (which are not computed at all: the band may cover the whole window)."""
+    from model.indexpool_cache import AttentionEvidence
+
+    model = tiny_model(8)
+    prompt = prompts_for(13, [120])[0]
+    found = []
+    for local_band in (0, band):
+        session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
+        session.prefill(prompt[:-1], query_tail=False)
+        found.append(AttentionEvidence(0, 120, local_band))
+        session.cache.evidence = found[-1]
+        with torch.no_grad():
+            model(torch.tensor([[prompt[119]]]), 119, session.cache)
+    expected = found[0].mass.clone()
+    expected[119 - band + 1 :] = 0
+    torch.testing.assert_close(found[1].mass, expected, atol=1e-6, rtol=1e-5)
+    assert found[1].mass[: 119 - band + 1].sum() > 0
+
+
 def test_bytes_per_token_and_memory_parts():
     cache = IndexPoolCache(CONFIG, IndexPoolConfig(**SETTINGS, kv_storage="int8"), TrainingFreeIndexer(CONFIG), 64,
                            torch.float32)
