@@ -238,10 +238,11 @@ def complete(
 def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, run: RunChoice,
                   sampling: SamplingChoice, attention: AttentionChoice, document: DocumentChoice,
                   system: str | None = None, doc=None, loaded=None, remote: RemoteChoice | None = None,
-                  kind: str = "ask") -> None:
+                  kind: str = "ask", label: str | None = None) -> None:
     """Read the document once (or restore it from the document cache), then answer the requests: together, as branches
     of the held document, when the session allows (`jobs.batch_size`), else in turn.
-    `doc` and `loaded` when the caller has them already; `remote` sends the requests to a server instead."""
+    `doc` and `loaded` when the caller has them already; `remote` sends the requests to a server instead; `label`
+    names the input in --json (one of several)."""
     from .attention import available_memory_bytes
     from .jobs import (PROBE_QUESTION, DocumentTokens, ask_request, batch_size, document_prompt, evidence_baseline,
                        plain_request, read_document, request_messages, run_batch, run_request, session_identity)
@@ -264,7 +265,7 @@ def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, ru
                 sys.stdout.write("\n")
             if not run.json_out:
                 sys.stdout.write(result.text)
-            _show_result(result, plain_request(requests[i]), served, run)
+            _show_result(result, plain_request(requests[i]), served, run, label)
 
         from .remote import sampling_fields
 
@@ -309,14 +310,17 @@ def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, ru
             if not run.json_out:
                 if size > 1:
                     sys.stdout.write(("\n" if i > done else "") + result.text)
-            _show_result(result, plain_request(requests[i]), loaded, run)
+            _show_result(result, plain_request(requests[i]), loaded, run, label)
         done += len(results)
 
 
-def _show_result(result, request: str, loaded, run: RunChoice) -> None:
-    """The end of a document job's result (its text was streamed already unless --json): sources, notes, stats."""
+def _show_result(result, request: str, loaded, run: RunChoice, label: str | None = None) -> None:
+    """The end of a document job's result (its text was streamed already unless --json): sources, notes, stats.
+    `label`: the input it is about, one of several."""
     if run.json_out:
-        print(json.dumps({"request": request, "model": loaded.name, **result.to_json()}, ensure_ascii=False), flush=True)
+        about = {} if label is None else {"path": label}
+        print(json.dumps({**about, "request": request, "model": loaded.name, **result.to_json()}, ensure_ascii=False),
+              flush=True)
         return
     if not result.text.endswith("\n"):
         sys.stdout.write("\n")
@@ -391,15 +395,16 @@ def summarize(
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens to generate (default: by --length).")] = None,
     strategy: Annotated[str, typer.Option("--strategy", help="single (one pass over the whole text, IndexPool), hierarchical (summaries of sections that fit the model's context, then of those), or auto: single when the document fits the model's context, else hierarchical (benchmarks/summary_coverage.py: the default model's one-pass summaries of longer documents degenerate).")] = "auto",
     section_tokens: Annotated[Optional[int], typer.Option("--section-tokens", min=64, help="Hierarchical: most tokens per section (default: the model's context less 1024).")] = None,
+    together: Annotated[bool, typer.Option("--together", help="Several paths: read them as one document and write one summary (default: a summary of each, those that fit the model's context decoded as one batch).")] = False,
     run: RunChoice = None,
     sampling: SamplingChoice = None,
     attention: AttentionChoice = None,
     document: DocumentChoice = None,
     remote: RemoteChoice = None,
 ):
-    """Summarize documents (several paths are read as one document), citing the pages, lines or sections the
-    summary draws on most."""
-    from .jobs import SECTION_RESERVE, SUMMARY_LENGTHS, summarize_hierarchical, summary_request
+    """Summarize documents, citing the pages, lines or sections each summary draws on most. Several paths get a
+    summary each (headed "==> path <==", or "path" in --json), unless --together."""
+    from .jobs import SUMMARY_LENGTHS, summary_request
 
     if length not in SUMMARY_LENGTHS:
         raise typer.BadParameter(f"--length must be one of {', '.join(SUMMARY_LENGTHS)}, not {length!r}")
@@ -407,27 +412,94 @@ def summarize(
         raise typer.BadParameter(f"--strategy must be one of {', '.join(SUMMARY_STRATEGIES)}, not {strategy!r}")
     remote.check()
     request, budget = summary_request(length, focus), max_new_tokens or SUMMARY_LENGTHS[length][1]
-    doc = document.load(list(paths))
+    each = len(paths) > 1 and not together
+    inputs = [[p] for p in paths] if each else [list(paths)]
+    docs = [document.load(p) for p in inputs]  # every input read before any work: a bad one fails first
+    labels = [p[0] for p in inputs] if each else [None]
     if remote.backend == "openai":  # the server's context decides one pass or sections
-        _document_job(list(paths), [request], budget, run, sampling, attention, document, doc=doc, remote=remote,
-                      kind="summarize")
+        for i, (path, doc, label) in enumerate(zip(inputs, docs, labels)):
+            _show_label(label, i, run)
+            _document_job(path, [request], budget, run, sampling, attention, document, doc=doc, remote=remote,
+                          kind="summarize", label=label)
         return
     loaded = _load(run)
-    if strategy == "auto":  # one pass when the document fits the model's own context, else hierarchical
-        fits = sum(len(loaded.tokenizer.encode(part.text)) for part in doc.parts) <= \
-            loaded.config.context_length - SECTION_RESERVE
-        strategy = "single" if fits else "hierarchical"
-    if strategy == "single":
-        _document_job(list(paths), [request], budget, run, sampling, attention, document, doc=doc, loaded=loaded)
-        return
-    sampler = sampling.sampler()
+    counts = [sum(len(loaded.tokenizer.encode(part.text)) for part in doc.parts) for doc in docs]
+    strategies = [_summary_strategy(strategy, loaded, n) for n in counts]
+    batched = _summarize_batched(loaded, docs, counts, strategies, request, budget, sampling, attention, run) \
+        if each else {}
+    for i, (path, doc, label) in enumerate(zip(inputs, docs, labels)):
+        _show_label(label, i, run)
+        if i in batched:
+            if not run.json_out:
+                sys.stdout.write(batched[i].text)
+            _show_result(batched[i], request, loaded, run, label)
+        elif strategies[i] == "single":
+            _document_job(path, [request], budget, run, sampling, attention, document, doc=doc, loaded=loaded,
+                          label=label)
+        else:
+            _summarize_hierarchical(loaded, doc, request, budget, section_tokens, run, sampling, attention, label)
+
+
+def _summary_strategy(strategy: str, loaded, document_tokens: int) -> str:
+    """auto: one pass when the document fits the model's own context, else hierarchical."""
+    from .jobs import SECTION_RESERVE
+
+    if strategy != "auto":
+        return strategy
+    return "single" if document_tokens <= loaded.config.context_length - SECTION_RESERVE else "hierarchical"
+
+
+def _summarize_batched(loaded, docs, counts: list[int], strategies: list[str], request: str, budget: int,
+                       sampling: SamplingChoice, attention: AttentionChoice, run: RunChoice) -> dict:
+    """The summaries of the inputs that fit the model's context (one pass), decoded together on a dense session
+    in batches as large as memory allows; {input index: JobResult}. Empty when fewer than two fit, or when
+    --attention indexpool asks for IndexPool (a batch of different documents is dense)."""
+    from .attention import available_memory_bytes
+    from .jobs import (SECTION_RESERVE, DocumentTokens, document_prompt, generate_each, request_messages,
+                       section_batch_size)
+    from .remote import matched_sources
+
+    tok, context = loaded.tokenizer, loaded.config.context_length
+    chosen = [i for i, (n, s) in enumerate(zip(counts, strategies)) if s == "single" and n <= context - SECTION_RESERVE]
+    if len(chosen) < 2 or attention.attention == "indexpool":
+        return {}
+    prompts = [document_prompt(tok, DocumentTokens.encode(tok, docs[i]), request_messages(request)) for i in chosen]
+    session = open_session(loaded, dataclasses.replace(attention, attention="dense"), context)
+    batch = section_batch_size(session, [len(p.ids) for p in prompts], budget, available_memory_bytes())
+
+    def show(rows: range, total: int) -> None:
+        if run.progress:
+            err_console.print(f"[dim]summarizing inputs {rows.start + 1}-{rows.stop} of {total} fitting the model's "
+                              f"context as one batch[/dim]" if len(rows) > 1 else
+                              f"[dim]summarizing input {rows.start + 1} of {total}[/dim]")
+
+    results = generate_each(session, tok, prompts, [docs[i] for i in chosen], sampling.sampler(), budget, batch, show)
+    for i, result in zip(chosen, results):
+        result.sources = matched_sources(result.text, docs[i])
+        result.notes.append("decoded in a batch with other inputs: sources are the parts whose wording the summary "
+                            "repeats (a batch keeps no attention evidence)")
+    return dict(zip(chosen, results))
+
+
+def _summarize_hierarchical(loaded, doc, request: str, budget: int, section_tokens: int | None, run: RunChoice,
+                            sampling: SamplingChoice, attention: AttentionChoice, label: str | None) -> None:
+    from .jobs import summarize_hierarchical
+
     dense = dataclasses.replace(attention, attention="dense")
     result = summarize_hierarchical(
-        loaded, doc, request, budget, sampler, section_tokens, lambda needed: open_session(loaded, dense, needed),
+        loaded, doc, request, budget, sampling.sampler(), section_tokens,
+        lambda needed: open_session(loaded, dense, needed),
         lambda needed: open_session(loaded, attention, needed, auto="indexpool"),
         on_text=None if run.json_out else _write_stdout,
         on_section=_show_sections if run.progress else None)
-    _show_result(result, request, loaded, run)
+    _show_result(result, request, loaded, run, label)
+
+
+def _show_label(label: str | None, index: int, run: RunChoice) -> None:
+    """The heading of one input's result among several (text output), as head(1) heads files."""
+    if label is not None and not run.json_out:
+        sys.stdout.write(("\n" if index else "") + f"==> {label} <==\n")
+        sys.stdout.flush()
 
 
 def _show_sections(batch: range, total: int) -> None:

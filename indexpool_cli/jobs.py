@@ -479,24 +479,33 @@ def section_prompts(tokenizer, sections: list[Document]) -> list[DocumentPrompt]
     return [document_prompt(tokenizer, DocumentTokens.encode(tokenizer, section), request) for section in sections]
 
 
+def generate_each(session, tokenizer, prompts: list[DocumentPrompt], documents: list[Document], sampler,
+                  max_new_tokens: int, batch: int, on_batch: Callable[[range, int], None] | None = None) -> list[JobResult]:
+    """Each prompt's own continuation (prompts on different documents: sections, several inputs), `batch` of them
+    decoded together (`Session.generate_batch`), or one after another when `batch` is 1 (any session); no
+    attention sources. on_batch(the batch's prompts, total) before each batch."""
+    results = []
+    for first in range(0, len(prompts), batch):
+        rows = range(first, min(first + batch, len(prompts)))
+        if on_batch:
+            on_batch(rows, len(prompts))
+        if batch == 1:
+            results.append(run_request(session, tokenizer, prompts[first], documents[first], sampler, max_new_tokens,
+                                       None, False, 0.0, with_sources=False))
+            continue
+        outputs = session.generate_batch([prompts[i].ids for i in rows], sampler, max_new_tokens, tokenizer.stop_ids)
+        for i, (tokens, stats) in zip(rows, outputs):
+            results.append(job_result(generated_text(tokenizer, tokens), stats, prompts[i], documents[i], None, False,
+                                      False, stats.prefill_seconds, stats.decode_seconds))
+    return results
+
+
 def summarize_sections(session, tokenizer, sections: list[Document], prompts: list[DocumentPrompt], sampler,
                        batch: int, on_section: Callable[[range, int], None] | None = None) -> list[str]:
     """Each section's short summary from its prompt (`section_prompts`), `batch` sections decoded together
-    (`Session.generate_batch`), or one after another when `batch` is 1 (any session). on_section(the batch's
-    sections, total) before each batch."""
-    summaries = []
-    for first in range(0, len(sections), batch):
-        batch_sections = range(first, min(first + batch, len(sections)))
-        if on_section:
-            on_section(batch_sections, len(sections))
-        if batch > 1:
-            outputs = session.generate_batch([prompts[i].ids for i in batch_sections], sampler,
-                                             SECTION_SUMMARY_TOKENS, tokenizer.stop_ids)
-            summaries += [generated_text(tokenizer, tokens) for tokens, _ in outputs]
-        else:
-            summaries.append(run_request(session, tokenizer, prompts[first], sections[first], sampler,
-                                         SECTION_SUMMARY_TOKENS, None, False, 0.0, with_sources=False).text)
-    return [summary.strip() for summary in summaries]
+    (`generate_each`). on_section(the batch's sections, total) before each batch."""
+    results = generate_each(session, tokenizer, prompts, sections, sampler, SECTION_SUMMARY_TOKENS, batch, on_section)
+    return [result.text.strip() for result in results]
 
 
 def summarize_hierarchical(loaded, document: Document, final_request: str, max_new_tokens: int, sampler,

@@ -120,6 +120,44 @@ def test_summarize_a_pdf_cites_pages(tmp_path):
     assert result["sources"] and all(s["cite"].startswith(f"{path} p. ") for s in result["sources"])
 
 
+def write_notes(directory: Path) -> list[Path]:
+    """Three short notes on different subjects, each well inside the model's context."""
+    subjects = [("harbour", "Ships arrive every morning and leave at dusk."),
+                ("orchard", "The apple trees are pruned in late winter."),
+                ("library", "Books are returned to the front desk before noon.")]
+    paths = []
+    for name, line in subjects:
+        path = directory / f"{name}.txt"
+        path.write_text("\n".join(f"Note {i} about the {name}: {line}" for i in range(1, 9)) + "\n")
+        paths.append(path)
+    return paths
+
+
+def test_summarize_several_inputs_gives_each_its_summary_decoded_as_one_batch(tmp_path):
+    """Each input gets its own summary, in order, labelled with its path; those that fit the model's context are
+    decoded as one dense batch, and in fp32 each is the summary the input gets alone (one pass, dense attention
+    as IndexPool gives it while everything fits)."""
+    paths = [str(p) for p in write_notes(tmp_path)]
+    args = ("--length", "short", "--json", "--quiet", "--no-cache", "-n", "20", "--dtype", "fp32")
+    results = [json.loads(line) for line in ok(indexpool("summarize", *paths, *args)).splitlines()]
+    assert [r["path"] for r in results] == paths
+    alone = [json.loads(ok(indexpool("summarize", path, *args))) for path in paths]
+    assert [r["text"] for r in results] == [r["text"] for r in alone]
+    for result, path in zip(results, paths):
+        assert result["tokens"]["new"] >= 1 and any("decoded in a batch" in note for note in result["notes"])
+        assert all(source["source"] == path for source in result["sources"])  # each cites its own input
+    text = ok(indexpool("summarize", *paths, "--length", "short", "--quiet", "--no-cache", "-n", "8"))
+    assert [line for line in text.splitlines() if line.startswith("==> ")] == [f"==> {p} <==" for p in paths]
+
+
+def test_summarize_together_reads_several_inputs_as_one_document(tmp_path):
+    paths = [str(p) for p in write_notes(tmp_path)]
+    out = ok(indexpool("summarize", *paths, "--together", "--length", "short", "--json", "--quiet", "--no-cache",
+                       "-n", "8"))
+    (result,) = [json.loads(line) for line in out.splitlines()]
+    assert "path" not in result and result["tokens"]["document"] > 3 * 60
+
+
 def test_complete_inside_a_file_of_a_folder(tmp_path):
     (tmp_path / "util.py").write_text("def double(x):\n    return 2 * x\n")
     (tmp_path / "app.py").write_text("from util import double\n\n\ndef main():\n    print(double(21))\n")
