@@ -24,6 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=32768, help="document tokens (about)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--prune-index", action="store_true", help="ask with --prune-index (pruned index keys)")
     args = parser.parse_args()
 
     import pydoc_data.topics
@@ -38,6 +39,8 @@ def main() -> None:
                    "--cache-dir", str(Path(tmp) / "cache"), "-n", "32"]
         if args.threads:
             command += ["--threads", str(args.threads)]
+        if args.prune_index:
+            command.append("--prune-index")
         runs = []
         for _ in range(2):
             t0 = time.perf_counter()

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from model.indexer_training import DenseCapture, SparsePattern, held_out_text, pool_targets  # noqa: E402
+from model.index_pruning import pruning_projection  # noqa: E402
 from model.indexers import TrainingFreeIndexer  # noqa: E402
 from model.indexpool import FP8_DTYPE, PooledIndexCache, per_token_index_bytes  # noqa: E402
 from model.lightning_indexer import LightningIndexer, ModelFingerprint, default_indexer_path  # noqa: E402
@@ -146,6 +147,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the dense model's dtype")
     parser.add_argument("--threads", type=int, help="CPU threads")
     parser.add_argument("--per-layer", action="store_true", help="also print every layer's figure")
+    parser.add_argument("--no-pruned", action="store_true", help="leave out the pruned training-free indexer")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -153,6 +155,10 @@ def main() -> None:
     loaded = load_engine(None, dtype=args.dtype, decode_weights="off")
     pattern = SparsePattern()
     indexers = {"training-free, bf16": (TrainingFreeIndexer(loaded.config, pattern.kpool), torch.bfloat16)}
+    if not args.no_pruned:  # --prune-index: keys projected on the directions holding 95% of each layer's variance
+        projection = pruning_projection(loaded)
+        indexers["training-free pruned"] = (TrainingFreeIndexer(loaded.config, pattern.kpool, projection=projection),
+                                            torch.bfloat16)
     path = args.indexer or default_indexer_path(loaded.name)
     if path is None:
         print("no lightning indexer shipped for this model: give --indexer", file=sys.stderr)

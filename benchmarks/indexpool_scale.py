@@ -45,7 +45,8 @@ def worker(length: int, mode: str, decode: int, threads: int | None, options: di
     loaded = load_engine(None)
     ids = text_ids(loaded.tokenizer, length)
     settings = mode == "indexpool"
-    indexer = default_indexer(AttentionChoice(indexer=options.pop("indexer")), loaded)
+    indexer = default_indexer(AttentionChoice(indexer=options.pop("indexer"), prune_index=options.pop("prune_index")),
+                              loaded)
     session = Session(loaded.model, length + decode, attention=IndexPoolConfig(**options) if settings else None,
                       indexer=indexer if settings else None)
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -100,11 +101,12 @@ def main() -> None:
     parser.add_argument("--indexer", default="auto", help="auto, training-free, trained or an indexer file")
     parser.add_argument("--kv-storage", default="auto")
     parser.add_argument("--index-dtype", default="bf16")
+    parser.add_argument("--prune-index", action="store_true", help="training-free indexer with pruned keys")
     parser.add_argument("--offload-dir", default=None)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     options = {"kv_storage": args.kv_storage, "index_dtype": args.index_dtype, "offload_dir": args.offload_dir,
-               "indexer": args.indexer}
+               "indexer": args.indexer, "prune_index": args.prune_index}
     if args.worker:
         length, mode = args.worker.split(":")
         print(json.dumps(worker(int(length), mode, args.decode, args.threads, options)))
@@ -120,6 +122,7 @@ def main() -> None:
                    "--kv-storage", args.kv_storage, "--index-dtype", args.index_dtype, "--indexer", args.indexer]
         command += ["--threads", str(args.threads)] if args.threads else []
         command += ["--offload-dir", args.offload_dir] if args.offload_dir else []
+        command += ["--prune-index"] if args.prune_index else []
         done = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # the worker's progress and errors: stderr
         if done.returncode:
             print(f"{length:>8} {mode:>9} failed (exit {done.returncode}; its error is above)", flush=True)

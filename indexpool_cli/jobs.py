@@ -185,7 +185,8 @@ def session_identity(loaded, session, choice) -> dict:
         settings = cache.settings
         identity.update(attention="indexpool", kpool=settings.kpool, topk=settings.topk, window=settings.window,
                         sinks=settings.sinks, segment=settings.segment, index_dtype=settings.index_dtype,
-                        kv_storage=cache.kv_storage, indexer=choice.indexer, indexer_kind=type(cache.indexer).__name__)
+                        kv_storage=cache.kv_storage, indexer=choice.indexer, indexer_kind=type(cache.indexer).__name__,
+                        index_dims=cache.indexer.key_dim)
     else:
         identity.update(attention="dense", segment=session.segment)
     return identity

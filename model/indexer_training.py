@@ -118,6 +118,11 @@ def _pydoc_topics() -> str:
     return "\n\n".join(pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics))
 
 
+def calibration_text() -> str:
+    """English text for calibrating (index pruning): the head of pydoc_data.topics, apart from the held-out tail."""
+    return _pydoc_topics()[:-HELD_OUT_CHARS - VALIDATION_CHARS]
+
+
 def held_out_text() -> str:
     """English text that `indexpool distill` never trains on by default: the tail of pydoc_data.topics."""
     return _pydoc_topics()[-HELD_OUT_CHARS:]

@@ -6,9 +6,10 @@ score(t, pool) = sum_j w_{t,j} * ReLU(q_{t,j} . K_pool * d**-0.5).
 
 Two kinds share this interface:
 - `TrainingFreeIndexer`: the model's own attention, no weights of its own. The index key of a token is its
-  un-rotated attention key (all KV heads side by side); the gates are zero (so pooling is a plain mean); each
-  attention head is an index head that scores only its KV head's slice of the pooled key, by softmax over pools
-  (see `TrainingFreeIndexer.score`: this one departs from the k-pool ReLU formula).
+  un-rotated attention key (all KV heads side by side; optionally projected onto fewer directions,
+  `model/index_pruning.py`); the gates are zero (so pooling is a plain mean); each attention head is an index head
+  that scores only its KV head's slice of the pooled key, by softmax over pools (see `TrainingFreeIndexer.score`:
+  this one departs from the k-pool ReLU formula).
 - `LightningIndexer` (`model/lightning_indexer.py`): a small learned indexer with the k-pool weighted pooling,
   distilled from the model's dense attention by `indexpool distill`.
 """
@@ -44,15 +45,24 @@ class Indexer(Protocol):
 class TrainingFreeIndexer:
     """Scores pools with the model's own keys and queries (see the module docstring)."""
 
-    def __init__(self, config: LlamaConfig, kpool: int = 4, device: torch.device | str | None = None):
+    def __init__(self, config: LlamaConfig, kpool: int = 4, device: torch.device | str | None = None,
+                 projection: torch.Tensor | None = None):
+        """projection: (n_layers, kv_dim, R) per-layer projections of the keys (`index_pruning.pruning_projection`),
+        or None for the whole keys."""
         self.kpool = kpool
         self.n_kv_heads, self.head_dim = config.n_kv_heads, config.head_dim
         self.group = config.n_heads // config.n_kv_heads
-        self.key_dim = config.kv_dim
+        if projection is not None and projection.shape[:2] != (config.n_layers, config.kv_dim):
+            raise ValueError(f"an index projection of shape {tuple(projection.shape)} does not fit this model "
+                             f"({config.n_layers} layers, keys of {config.kv_dim})")
+        self.projection = None if projection is None else projection.to(device)
+        self.key_dim = config.kv_dim if projection is None else projection.shape[-1]
         self.ape = torch.zeros(config.n_layers, kpool, self.key_dim, device=device)
 
     def keys(self, layer, x, k):
         keys = k.flatten(2)
+        if self.projection is not None:
+            keys = keys @ self.projection[layer].to(keys.dtype)
         return keys, torch.zeros_like(keys)
 
     def queries(self, layer, x, q):
@@ -69,7 +79,8 @@ class TrainingFreeIndexer:
         pools takes 1.6 ms against 2.8 ms for three head-group products on strided slices (and on par at 8
         queries). One query takes the pooled keys as the left operand (streamed once), several as the right one
         (no transposed copy of the logits); the softmax reads the logits in the keys' dtype, as the matmul gives
-        them, and computes in fp32. limits: (B, T) pools each query may see, the rest masked before the softmax."""
+        them, and computes in fp32. With a projection, the block-diagonal queries are projected as the keys were.
+        limits: (B, T) pools each query may see, the rest masked before the softmax."""
         B, T = q.shape[:2]
         P, D, G, KV = pooled.shape[1], self.head_dim, self.group, self.n_kv_heads
         H = KV * G
@@ -80,6 +91,8 @@ class TrainingFreeIndexer:
             for c in range(0, T, chunk):  # bounds the (chunk * heads, P) logits at long contexts
                 n = min(chunk, T - c)
                 qc = (q[b, c : c + n].to(pooled.dtype).view(n, KV, G, 1, D) * blocks).reshape(n * H, KV * D)
+                if self.projection is not None:
+                    qc = qc @ self.projection[layer].to(qc.dtype)
                 logits = ((pooled[b] @ qc.T).T if n == 1 else qc @ pooled[b].T).unflatten(0, (n, H))  # (n, H, P)
                 hidden = None if limits is None else columns >= limits[b, c : c + n, None]  # (n, P)
                 if hidden is not None:

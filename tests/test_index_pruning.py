@@ -1,0 +1,102 @@
+"""Dimension pruning of the training-free indexer (`model/index_pruning.py`): the directions kept, the scores they
+give, the calibration on the model's own keys, and `--prune-index` on the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from model.index_pruning import KeyMoments, calibrate, projection_from_covariance
+from model.indexers import TrainingFreeIndexer
+from model.indexpool import PooledIndexCache
+from tests.test_indexpool_cache import CONFIG, tiny_model
+
+KV_DIM = CONFIG.n_kv_heads * CONFIG.head_dim
+
+
+def test_the_directions_holding_the_share_of_the_variance_are_kept():
+    rotation = torch.linalg.qr(torch.randn(2, KV_DIM, KV_DIM, dtype=torch.float64)).Q
+    variances = torch.tensor([[8.0, 1.0, 0.5, 0.5] + [0.0] * (KV_DIM - 4),
+                              [4.0, 4.0] + [0.0] * (KV_DIM - 2)], dtype=torch.float64)
+    covariance = rotation @ torch.diag_embed(variances) @ rotation.transpose(1, 2)
+    projection, needed = projection_from_covariance(covariance, share=0.92)
+    assert needed == [3, 2]  # 8 + 1 of 10 is 90%, + 0.5 is 95%: 3 for the first; the second needs both
+    assert projection.shape == (2, KV_DIM, 3)
+    torch.testing.assert_close(projection.transpose(1, 2) @ projection, torch.eye(3).expand(2, 3, 3), atol=1e-6, rtol=0)
+    top = rotation[0, :, 0].float()  # the first layer's most variable direction comes first
+    assert abs(float(projection[0, :, 0] @ top)) == pytest.approx(1.0, abs=1e-6)
+    with pytest.raises(ValueError, match="share"):
+        projection_from_covariance(covariance, share=0)
+
+
+def scores(indexer, keys, queries):
+    """The indexer's scores (1, T, P) of queries (1, T, heads, head_dim) against keys (1, N, KV, head_dim), pooled
+    as the IndexPool cache pools them."""
+    index = PooledIndexCache(indexer.ape, keys.shape[1], 1, torch.float32)
+    index.append(0, *indexer.keys(0, None, keys))
+    index_q, weights = indexer.queries(0, None, queries)
+    return indexer.score(0, index_q, weights, index.pooled(0))
+
+
+def test_pruned_scores_equal_full_ones_when_the_keys_vary_only_in_the_kept_directions():
+    """Keys = a large common mean + variation in 3 directions: projected on those 3 (the mean mostly dropped), the
+    scores are the full keys' (the mean adds the same logit to every pool, which the softmax over pools ignores)."""
+    generator = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(KV_DIM, KV_DIM, generator=generator)).Q[:, :3]
+    mean = 3 * torch.randn(KV_DIM, generator=generator)
+    keys = (mean + torch.randn(40, 3, generator=generator) @ basis.T).view(1, 40, CONFIG.n_kv_heads, CONFIG.head_dim)
+    queries = torch.randn(1, 5, CONFIG.n_heads, CONFIG.head_dim, generator=generator)
+    flat = keys.flatten(2)[0].double()
+    covariance = (flat - flat.mean(0)).T @ (flat - flat.mean(0)) / len(flat)
+    projection, needed = projection_from_covariance(covariance[None].expand(CONFIG.n_layers, -1, -1), share=0.999)
+    assert projection.shape[-1] == 3
+    full = scores(TrainingFreeIndexer(CONFIG, 4), keys, queries)
+    pruned = scores(TrainingFreeIndexer(CONFIG, 4, projection=projection), keys, queries)
+    torch.testing.assert_close(pruned, full, atol=1e-5, rtol=1e-4)
+    identity = torch.eye(KV_DIM).expand(CONFIG.n_layers, -1, -1)  # every direction kept: the same scores
+    torch.testing.assert_close(scores(TrainingFreeIndexer(CONFIG, 4, projection=identity), keys, queries), full,
+                               atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="does not fit"):
+        TrainingFreeIndexer(CONFIG, 4, projection=projection[:, :5])
+
+
+def test_calibration_measures_the_model_s_own_keys():
+    model = tiny_model(3)
+    tokens = torch.randint(0, CONFIG.vocab_size, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    projection, needed = calibrate(model, tokens, share=1.0)
+    assert projection.shape[:2] == (CONFIG.n_layers, KV_DIM) and len(needed) == CONFIG.n_layers
+    captured = []  # the keys the calibration saw, read again with a cache that keeps them
+    cache = model.new_cache(60, 1, KeyMoments)
+    original = KeyMoments.attend
+
+    def keep(self, layer, qk, v, x):
+        captured.append((layer, qk[0, :, CONFIG.n_heads :].flatten(1).double()))
+        return original(self, layer, qk, v, x)
+
+    KeyMoments.attend = keep
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([tokens]), 0, cache)
+    finally:
+        KeyMoments.attend = original
+    for layer in range(CONFIG.n_layers):
+        keys = torch.cat([k for n, k in captured if n == layer])
+        torch.testing.assert_close(cache.covariance()[layer], torch.cov(keys.T, correction=0), atol=1e-9, rtol=1e-7)
+    assert cache.tokens == 60
+
+
+def test_prune_index_on_the_command_line(tmp_path):
+    from test_cli import indexpool, ok
+    from test_document_jobs import FACT, QUESTION
+
+    from doc_fixtures import write_planted_report
+
+    report = write_planted_report(tmp_path, FACT, topics=6, lines=160)
+    out = json.loads(ok(indexpool("ask", str(report), QUESTION, "--prune-index", "--json", "--quiet",
+                                  "--cache-dir", str(tmp_path / "cache"), "-n", "16")))
+    assert "41729" in out["text"] and out["sources"]
+    refused = indexpool("ask", str(report), QUESTION, "--prune-index", "--indexer", "trained")  # a usage error
+    assert refused.returncode == 2 and b"Traceback" not in refused.stderr
+    assert b"--prune-index applies to the training-free indexer" in refused.stderr
