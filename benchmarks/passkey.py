@@ -67,7 +67,7 @@ def run(args) -> None:
     loaded = load_engine(args.model, dtype=args.dtype)
     tokenizer = loaded.tokenizer
     hay_ids = tokenizer.encode(haystack_text(args.haystack))
-    indexer = default_indexer(AttentionChoice(indexer=args.indexer), loaded)
+    indexer = default_indexer(AttentionChoice(indexer=args.indexer, prune_index=args.prune_index), loaded)
     rng = random.Random(args.seed)
     print(f"model {loaded.name}, indexer {type(indexer).__name__}, {args.haystack} haystack of {len(hay_ids)} tokens, threads {torch.get_num_threads()}", flush=True)
     print(f"{'length':>8} {'mode':>9} {'accuracy':>9} {'trials':>6} {'prefill tok/s':>13}  hits per depth (5%..95%)")
@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--indexer", default="auto", help="auto, training-free, trained or an indexer file")
+    parser.add_argument("--prune-index", action="store_true", help="training-free indexer with pruned keys")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--topk", type=int, default=IndexPoolConfig.topk)
     parser.add_argument("--window", type=int, default=IndexPoolConfig.window)
