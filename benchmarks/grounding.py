@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--indexer", default="auto")
     parser.add_argument("--attention", default="auto", help="auto (IndexPool, as ask runs) or dense (up to 8K)")
     parser.add_argument("--topk", type=int, default=None, help="IndexPool far tokens per query (default: ask's)")
+    parser.add_argument("--prune-index", action="store_true", help="training-free indexer with pruned keys")
     parser.add_argument("--plain-sources", action="store_true",
                         help="rank sources on the plain attention mass, not beyond a neutral question's (as ask does)")
     parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
@@ -117,7 +118,7 @@ def main() -> None:
     set_threads(args.threads)
     loaded = load_engine(None)
     tok = loaded.tokenizer
-    choice = AttentionChoice(indexer=args.indexer, attention=args.attention)
+    choice = AttentionChoice(indexer=args.indexer, attention=args.attention, prune_index=args.prune_index)
     if args.topk:
         choice.topk = args.topk
     runs = [True, False] if args.control else [True]
