@@ -24,7 +24,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=32768, help="document tokens (about)")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--prune-index", action="store_true", help="ask with --prune-index (pruned index keys)")
+    parser.add_argument("--prune-index", action=argparse.BooleanOptionalAction, default=None,
+                        help="pruned index keys (default: as the command line, on for the training-free indexer)")
     args = parser.parse_args()
 
     import pydoc_data.topics
@@ -39,8 +40,8 @@ def main() -> None:
                    "--cache-dir", str(Path(tmp) / "cache"), "-n", "32"]
         if args.threads:
             command += ["--threads", str(args.threads)]
-        if args.prune_index:
-            command.append("--prune-index")
+        if args.prune_index is not None:
+            command.append("--prune-index" if args.prune_index else "--no-prune-index")
         runs = []
         for _ in range(2):
             t0 = time.perf_counter()

@@ -99,7 +99,8 @@ def main() -> None:
     parser.add_argument("--indexer", default="auto")
     parser.add_argument("--attention", default="auto", help="auto (IndexPool, as ask runs) or dense (up to 8K)")
     parser.add_argument("--topk", type=int, default=None, help="IndexPool far tokens per query (default: ask's)")
-    parser.add_argument("--prune-index", action="store_true", help="training-free indexer with pruned keys")
+    parser.add_argument("--prune-index", action=argparse.BooleanOptionalAction, default=None,
+                        help="pruned index keys (default: as the command line, on for the training-free indexer)")
     parser.add_argument("--plain-sources", action="store_true",
                         help="rank sources on the plain attention mass, not beyond a neutral question's (as ask does)")
     parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,

@@ -101,7 +101,8 @@ def main() -> None:
     parser.add_argument("--indexer", default="auto", help="auto, training-free, trained or an indexer file")
     parser.add_argument("--kv-storage", default="auto")
     parser.add_argument("--index-dtype", default="bf16")
-    parser.add_argument("--prune-index", action="store_true", help="training-free indexer with pruned keys")
+    parser.add_argument("--prune-index", action=argparse.BooleanOptionalAction, default=None,
+                        help="pruned index keys (default: as the command line, on for the training-free indexer)")
     parser.add_argument("--offload-dir", default=None)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -122,7 +123,7 @@ def main() -> None:
                    "--kv-storage", args.kv_storage, "--index-dtype", args.index_dtype, "--indexer", args.indexer]
         command += ["--threads", str(args.threads)] if args.threads else []
         command += ["--offload-dir", args.offload_dir] if args.offload_dir else []
-        command += ["--prune-index"] if args.prune_index else []
+        command += [] if args.prune_index is None else ["--prune-index" if args.prune_index else "--no-prune-index"]
         done = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # the worker's progress and errors: stderr
         if done.returncode:
             print(f"{length:>8} {mode:>9} failed (exit {done.returncode}; its error is above)", flush=True)

@@ -109,7 +109,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--indexer", default="auto", help="auto, training-free, trained or an indexer file")
-    parser.add_argument("--prune-index", action="store_true", help="training-free indexer with pruned keys")
+    parser.add_argument("--prune-index", action=argparse.BooleanOptionalAction, default=None,
+                        help="pruned index keys (default: as the command line, on for the training-free indexer)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--topk", type=int, default=IndexPoolConfig.topk)
     parser.add_argument("--window", type=int, default=IndexPoolConfig.window)

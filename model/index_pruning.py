@@ -15,6 +15,8 @@ model file and kept in the prepared-weights cache (~/.cache/indexpool/models).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .llama import KVCache, Transformer
@@ -70,9 +72,10 @@ def calibrate(model: Transformer, tokens: list[int], share: float = PRUNING_SHAR
     return projection_from_covariance(cache.covariance(), share)
 
 
-def pruning_projection(loaded, share: float = PRUNING_SHARE) -> torch.Tensor:
+def pruning_projection(loaded, share: float = PRUNING_SHARE, calibrating=contextlib.nullcontext) -> torch.Tensor:
     """The projection for `loaded`'s model (a llama-family LoadedModel), from the prepared-weights cache or
-    calibrated now (a dense read of CALIBRATION_TOKENS tokens: seconds) and kept there."""
+    calibrated now (a dense read of CALIBRATION_TOKENS tokens: seconds; inside the context manager
+    `calibrating()`, e.g. a spinner) and kept there."""
     from .indexer_training import calibration_text
     from .runtime import PREPARED_LIMIT_BYTES
     from .tensor_cache import TensorCache, cache_key, default_cache_dir
@@ -84,7 +87,8 @@ def pruning_projection(loaded, share: float = PRUNING_SHARE) -> torch.Tensor:
     if saved is not None and "projection" in saved[1]:
         return saved[1]["projection"].clone()
     tokens = loaded.tokenizer.encode(calibration_text())[:CALIBRATION_TOKENS]
-    projection, _ = calibrate(loaded.model, tokens, share)
+    with calibrating():
+        projection, _ = calibrate(loaded.model, tokens, share)
     try:
         store.save(key, [], {"projection": projection}, f"{loaded.name}: index pruning ({share:.0%} of key variance)")
     except OSError:  # no room or no permission: it is computed again next time
