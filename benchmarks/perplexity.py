@@ -65,6 +65,8 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--indexer", default="auto", help="auto, training-free, trained or an indexer file")
+    parser.add_argument("--prune-index", action=argparse.BooleanOptionalAction, default=None,
+                        help="pruned index keys (default: as the command line, on for the training-free indexer)")
     parser.add_argument("--topk", type=int, default=IndexPoolConfig.topk)
     parser.add_argument("--window", type=int, default=IndexPoolConfig.window)
     parser.add_argument("--segment", type=int, default=IndexPoolConfig.segment)
@@ -72,7 +74,7 @@ def main() -> None:
     set_threads(args.threads)
     loaded = load_engine(args.model)
     settings = IndexPoolConfig(topk=args.topk, window=args.window, segment=args.segment)
-    indexer = default_indexer(AttentionChoice(indexer=args.indexer), loaded)
+    indexer = default_indexer(AttentionChoice(indexer=args.indexer, prune_index=args.prune_index), loaded)
     first_scored = settings.sinks + settings.topk + settings.window + settings.kpool
     print(f"model {loaded.name}, indexer {type(indexer).__name__}; scored: tokens from {first_scored} on; threads {torch.get_num_threads()}")
     print(f"{'length':>7} {'scored':>6} {'dense ppl':>9} {'indexpool ppl':>13} {'change':>7}")
