@@ -69,7 +69,7 @@ def test_the_line_with_the_most_evidence_is_quoted_in_its_place(default_tokenize
 
 def test_neighbouring_lines_with_half_the_evidence_join_the_quote(default_tokenizer, prompt):
     _, prompt = prompt
-    joined = evidence_quote(default_tokenizer, prompt, *evidence_on(prompt, {4: 0.05, 5: 0.03, 7: 0.04},
+    joined = evidence_quote(default_tokenizer, prompt, *evidence_on(prompt, {4: 0.05, 5: 0.03, 7: 0.02},
                                                                       default_tokenizer))
     assert joined.text == f"{LINES[4]}\n{LINES[5]}"  # line 7 is not next to the quoted lines
     alone = evidence_quote(default_tokenizer, prompt, *evidence_on(prompt, {4: 0.05, 5: 0.02}, default_tokenizer))
@@ -94,4 +94,8 @@ def test_nothing_is_quoted_when_nothing_stands_out(default_tokenizer, prompt):
     _, prompt = prompt
     evidence, baseline = evidence_on(prompt, {}, default_tokenizer)
     assert evidence_quote(default_tokenizer, prompt, evidence, baseline) is None
+    # Two lines far apart with about the same evidence: neither stands out (less than QUOTE_MIN_RATIO times)
+    assert evidence_quote(default_tokenizer, prompt, *evidence_on(prompt, {1: 0.05, 8: 0.03}, default_tokenizer)) is None
+    assert evidence_quote(default_tokenizer, prompt, *evidence_on(prompt, {1: 0.05, 8: 0.02}, default_tokenizer)).text \
+        == LINES[1]
     assert with_quote(default_tokenizer, prompt, None) == prompt.ids
