@@ -1,9 +1,11 @@
 """Dynamic batching: 8 questions on one held document, answered one after another and then as one batch of
 branches (`Session.generate_branches`), in one process on the same read document.
 
-The document is Python's own documentation (`pydoc_data.topics`, about `--length` tokens); it is read once, then
-both ways answer the same questions greedily with up to `-n` new tokens each. Prints each way's wall time (the
-questions' reading and the answers), the ratio, and whether the answers and their sources are the same.
+The document is Python's own documentation (`pydoc_data.topics`, about `--length` tokens); it is read once, with
+the neutral question's reading that sources are ranked against (`jobs.evidence_baseline`), as `ask` does; then both
+ways answer the same questions greedily with up to `-n` new tokens each (a question whose first reading finds a line
+to quote is read again with the quote, both ways). Prints each way's wall time (the questions' reading and the
+answers), the ratio, how many answers quoted, and whether the answers and their sources are the same.
 
     .venv/bin/python benchmarks/batching.py --length 32768 --threads 1
 """
@@ -35,8 +37,8 @@ def main() -> None:
 
     from indexpool_cli.attention import AttentionChoice, open_session
     from indexpool_cli.ingest import IngestOptions, load_document
-    from indexpool_cli.jobs import (DocumentTokens, ask_request, batch_size, document_prompt, request_messages,
-                                    run_batch, run_request)
+    from indexpool_cli.jobs import (PROBE_QUESTION, DocumentTokens, ask_request, batch_size, document_prompt,
+                                    evidence_baseline, request_messages, run_batch, run_request, session_identity)
     from model.generate import Sampler, SamplingParams
     from model.runtime import load_engine, set_threads
 
@@ -53,20 +55,23 @@ def main() -> None:
     tokens = DocumentTokens.encode(tok, document)
     prompts = [document_prompt(tok, tokens, request_messages(ask_request(q))) for q in questions]
     n = args.max_new_tokens
-    session = open_session(loaded, AttentionChoice(), max(len(p.ids) for p in prompts) + n, auto="indexpool")
+    choice = AttentionChoice()
+    session = open_session(loaded, choice, max(p.max_tokens for p in prompts) + n, auto="indexpool")
     t0 = time.perf_counter()
     session.prefill(prompts[0].ids[: prompts[0].reusable], query_tail=False)
+    baseline = evidence_baseline(session, tok, tokens, prompts[0], request_messages(ask_request(PROBE_QUESTION)),
+                                 session_identity(loaded, session, choice), None, "", print)
     read = time.perf_counter() - t0
     greedy = Sampler(SamplingParams(temperature=0))
 
     t0 = time.perf_counter()
-    alone = [run_request(session, tok, p, document, greedy, n, None, False, 0.0) for p in prompts]
+    alone = [run_request(session, tok, p, document, greedy, n, None, False, 0.0, baseline=baseline) for p in prompts]
     one_by_one = time.perf_counter() - t0
     size = batch_size(session, prompts, n, None)
     t0 = time.perf_counter()
     batched = []
     for start in range(0, len(prompts), size):
-        batched += run_batch(session, tok, prompts[start : start + size], document, greedy, n, False, 0.0)
+        batched += run_batch(session, tok, prompts[start : start + size], document, greedy, n, False, 0.0, baseline)
     together = time.perf_counter() - t0
 
     print(f"document: {prompts[0].doc_end - prompts[0].doc_start:,} tokens, read in {read:.1f} s; "
@@ -76,6 +81,8 @@ def main() -> None:
         reading = sum(r.answer_seconds for r in results) if name == "one by one" else float("nan")
         print(f"{name:>12} {seconds:8.1f} {sum(r.new_tokens for r in results):11d} {reading:17.1f}")
     print(f"one by one / batched: {one_by_one / together:.2f}x")
+    quoted = [sum(r.quote is not None for r in results) for results in (alone, batched)]
+    print(f"answers read with a quote: {quoted[0]}/{len(prompts)} one by one, {quoted[1]}/{len(prompts)} batched")
     same_text = sum(a.text == b.text for a, b in zip(alone, batched))
     same_sources = sum([s["cite"] for s in a.sources] == [s["cite"] for s in b.sources] for a, b in zip(alone, batched))
     print(f"same answer: {same_text}/{len(prompts)}; same sources: {same_sources}/{len(prompts)}")

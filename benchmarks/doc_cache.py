@@ -24,6 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=32768, help="document tokens (about)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--question", default="What does the pass statement do?")
     parser.add_argument("--prune-index", action=argparse.BooleanOptionalAction, default=None,
                         help="pruned index keys (default: as the command line, on for the training-free indexer)")
     args = parser.parse_args()
@@ -36,7 +37,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         doc = Path(tmp) / "manual.txt"
         doc.write_text(text)
-        command = [str(INDEXPOOL), "ask", str(doc), "What does the pass statement do?", "--json", "--quiet",
+        command = [str(INDEXPOOL), "ask", str(doc), args.question, "--json", "--quiet",
                    "--cache-dir", str(Path(tmp) / "cache"), "-n", "32"]
         if args.threads:
             command += ["--threads", str(args.threads)]
@@ -50,10 +51,11 @@ def main() -> None:
             runs.append((time.perf_counter() - t0, result))
         size = sum(p.stat().st_size for p in (Path(tmp) / "cache").glob("*.safetensors"))
     print(f"document: {runs[0][1]['tokens']['document']:,} tokens; cache entry {size / 2**20:.0f} MiB")
-    print(f"{'run':>6} {'cached':>6} {'wall s':>8} {'read s':>8} {'answer s':>9}")
+    print(f"{'run':>6} {'cached':>6} {'wall s':>8} {'read s':>8} {'answer s':>9} {'new tokens':>10} {'quoted':>6}")
     for i, (wall, result) in enumerate(runs, 1):
         t = result["timings"]
-        print(f"{i:>6} {str(result['cached']):>6} {wall:8.1f} {t['read_seconds']:8.1f} {t['answer_seconds']:9.1f}")
+        print(f"{i:>6} {str(result['cached']):>6} {wall:8.1f} {t['read_seconds']:8.1f} {t['answer_seconds']:9.1f} "
+              f"{result['tokens']['new']:>10} {str(result.get('quote') is not None):>6}")
     print(f"first / second, wall: {runs[0][0] / runs[1][0]:.1f}x; reading the document: "
           f"{runs[0][1]['timings']['read_seconds'] / max(runs[1][1]['timings']['read_seconds'], 1e-9):.0f}x")
     same = runs[0][1]["text"] == runs[1][1]["text"]

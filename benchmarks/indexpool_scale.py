@@ -104,10 +104,14 @@ def main() -> None:
     parser.add_argument("--prune-index", action=argparse.BooleanOptionalAction, default=None,
                         help="pruned index keys (default: as the command line, on for the training-free indexer)")
     parser.add_argument("--offload-dir", default=None)
+    parser.add_argument("--segment-block", type=int, default=None,
+                        help="queries of a prefill segment sharing one far selection (default: the engine's)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     options = {"kv_storage": args.kv_storage, "index_dtype": args.index_dtype, "offload_dir": args.offload_dir,
                "indexer": args.indexer, "prune_index": args.prune_index}
+    if args.segment_block:
+        options["segment_block"] = args.segment_block
     if args.worker:
         length, mode = args.worker.split(":")
         print(json.dumps(worker(int(length), mode, args.decode, args.threads, options)))
@@ -123,6 +127,7 @@ def main() -> None:
                    "--kv-storage", args.kv_storage, "--index-dtype", args.index_dtype, "--indexer", args.indexer]
         command += ["--threads", str(args.threads)] if args.threads else []
         command += ["--offload-dir", args.offload_dir] if args.offload_dir else []
+        command += ["--segment-block", str(args.segment_block)] if args.segment_block else []
         command += [] if args.prune_index is None else ["--prune-index" if args.prune_index else "--no-prune-index"]
         done = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # the worker's progress and errors: stderr
         if done.returncode:

@@ -76,7 +76,8 @@ def run(args) -> None:
         trials.sort(reverse=True)  # deepest needle first: each next trial re-reads only what follows its needle
         for mode in args.modes:
             attention = None if mode == "dense" else IndexPoolConfig(topk=args.topk, window=args.window,
-                                                                     sinks=args.sinks, segment=args.segment)
+                                                                     sinks=args.sinks, segment=args.segment,
+                                                                     segment_block=args.segment_block)
             session = Session(loaded.model, length + 16, attention=attention, indexer=indexer if attention else None)
             hits, speeds = {d: 0 for d in DEPTHS}, []
             for depth, key in trials:
@@ -116,6 +117,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=IndexPoolConfig.window)
     parser.add_argument("--sinks", type=int, default=IndexPoolConfig.sinks)
     parser.add_argument("--segment", type=int, default=IndexPoolConfig.segment)
+    parser.add_argument("--segment-block", type=int, default=IndexPoolConfig.segment_block,
+                        help="queries of a prefill segment sharing one far selection (default: the engine's)")
     parser.add_argument("--verbose", action="store_true")
     run(parser.parse_args())
 

@@ -70,10 +70,13 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=IndexPoolConfig.topk)
     parser.add_argument("--window", type=int, default=IndexPoolConfig.window)
     parser.add_argument("--segment", type=int, default=IndexPoolConfig.segment)
+    parser.add_argument("--segment-block", type=int, default=IndexPoolConfig.segment_block,
+                        help="queries of a prefill segment sharing one far selection (default: the engine's)")
     args = parser.parse_args()
     set_threads(args.threads)
     loaded = load_engine(args.model)
-    settings = IndexPoolConfig(topk=args.topk, window=args.window, segment=args.segment)
+    settings = IndexPoolConfig(topk=args.topk, window=args.window, segment=args.segment,
+                               segment_block=args.segment_block)
     indexer = default_indexer(AttentionChoice(indexer=args.indexer, prune_index=args.prune_index), loaded)
     first_scored = settings.sinks + settings.topk + settings.window + settings.kpool
     print(f"model {loaded.name}, indexer {type(indexer).__name__}; scored: tokens from {first_scored} on; threads {torch.get_num_threads()}")

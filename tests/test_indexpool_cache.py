@@ -17,7 +17,7 @@ from model.llama import LlamaConfig, Transformer, apply_rope, inverse_frequencie
 
 CONFIG = LlamaConfig(vocab_size=97, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
                      context_length=64, rope_theta=10000.0)
-SETTINGS = dict(kpool=4, topk=8, window=8, sinks=4, segment=16, query_tokens=6, query_block=2)
+SETTINGS = dict(kpool=4, topk=8, window=8, sinks=4, segment=16, query_tokens=6, query_block=2, segment_block=7)
 
 
 def tiny_model(seed: int = 0) -> Transformer:
@@ -63,9 +63,10 @@ class ReferenceCache:
                            self.indexer.ape[layer], s.kpool)[first:]
         pooled = pooled.to(INDEX_DTYPES[s.index_dtype]).to(torch.bfloat16)[None]
         index_q, weights = self.indexer.queries(layer, x, q[None])
-        if T > s.query_tokens:  # one selection for the segment, from its mean index query
-            scores = self.indexer.score(layer, index_q.mean(1, keepdim=True), weights.mean(1, keepdim=True), pooled)[0]
-            blocks = [(0, T)]
+        if T > s.query_tokens:  # one selection per block of the segment, from the block's mean index query
+            blocks = [(b, min(b + s.segment_block, T)) for b in range(0, T, s.segment_block)]
+            scores = torch.cat([self.indexer.score(layer, index_q[:, b:e].mean(1, keepdim=True),
+                                                   weights[:, b:e].mean(1, keepdim=True), pooled)[0] for b, e in blocks])
         else:
             scores = self.indexer.score(layer, index_q, weights, pooled)[0]
             blocks = [(b, min(b + s.query_block, T)) for b in range(0, T, s.query_block)]
