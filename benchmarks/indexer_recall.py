@@ -13,7 +13,14 @@ Two attentions are measured against. "dense": the dense model as it is; past its
 meet distances it never saw. "in-context": the same queries and keys with every far token at one in-context
 distance, as the IndexPool cache places what it selects (see in_context_probs).
 
+With `--states indexpool` the text is read instead as the engine reads it: through the IndexPool cache (default
+settings, the default indexer choosing what each segment attends to, 2048-token segments), so that past 8K the
+queries and keys come from a model that never met an untrained distance; they are measured against the
+"in-context" attention of those states. Past the trained context this is the model as it runs; the dense read's
+states there are not.
+
     .venv/bin/python benchmarks/indexer_recall.py --threads 1
+    .venv/bin/python benchmarks/indexer_recall.py --threads 1 --states indexpool
 """
 
 from __future__ import annotations
@@ -28,18 +35,22 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from model.indexer_training import DenseCapture, SparsePattern, held_out_text, pool_targets  # noqa: E402
+from model.indexer_training import (DenseCapture, QueryRecorder, SparsePattern, held_out_text,  # noqa: E402
+                                    pool_targets)
+from model.indexpool_cache import IndexPoolCache, IndexPoolConfig  # noqa: E402
 from model.index_pruning import pruning_projection  # noqa: E402
 from model.indexers import TrainingFreeIndexer  # noqa: E402
 from model.indexpool import FP8_DTYPE, PooledIndexCache, per_token_index_bytes  # noqa: E402
 from model.lightning_indexer import LightningIndexer, ModelFingerprint, default_indexer_path  # noqa: E402
 from model.llama import apply_rope, rope_tables  # noqa: E402
 from model.runtime import load_engine  # noqa: E402
+from indexpool_cli.attention import AttentionChoice, default_indexer  # noqa: E402
 
 
 TEACHERS = {
     "dense": "the dense model, keys at their true positions (beyond 8K: distances it was never trained on)",
     "in-context": "far tokens moved to an in-context distance, as the IndexPool cache places them",
+    "in-context, IndexPool read": "the states of the IndexPool read, far tokens at an in-context distance",
 }
 
 
@@ -57,6 +68,30 @@ class IndexingCapture(DenseCapture):
         for name, (indexer, _) in self.indexers.items():
             self.indexes[name].append(layer, *indexer.keys(layer, x, k))
         return super().attend(layer, qk, v, x)
+
+
+class IndexPoolCapture(QueryRecorder, IndexPoolCache):
+    """The IndexPool cache reading as the engine reads (its own indexer choosing the far tokens), also keeping the
+    queries at `query_positions` and filling one pooled index per measured (indexer, storage dtype)."""
+
+    def __init__(self, model, length, query_positions, indexers: dict[str, tuple[object, torch.dtype]], reader):
+        super().__init__(model.config, IndexPoolConfig(kv_storage="bf16"), reader, length, model.dtype,
+                         model.tok_embeddings.weight.device)
+        self._init_recorder(model.config, query_positions, self.inv_freq.device)
+        self.indexers = indexers
+        self.indexes = {name: PooledIndexCache(indexer.ape, length, 1, dtype, self.inv_freq.device)
+                        for name, (indexer, dtype) in indexers.items()}
+
+    def attend(self, layer, qk, v, x):
+        k = qk[:, :, self.n_heads :]
+        for name, (indexer, _) in self.indexers.items():
+            self.indexes[name].append(layer, *indexer.keys(layer, x, k))
+        self.record(layer, qk, x)
+        return super().attend(layer, qk, v, x)
+
+    def unrotated_keys(self, layer: int) -> torch.Tensor:
+        """(length, KV, D) fp32: every token's key as the history store holds it."""
+        return self.store.read(layer, 0, self.length)[0].float()
 
 
 def attended_tokens(positions: torch.Tensor, chosen_pools: torch.Tensor | None, length: int,
@@ -83,17 +118,17 @@ def choose_pools(scores: torch.Tensor, positions: torch.Tensor, pattern: SparseP
     return best.indices.masked_fill(best.values == float("-inf"), -1)
 
 
-def in_context_probs(cache: IndexingCapture, layer: int, cos: torch.Tensor, sin: torch.Tensor,
+def in_context_probs(cache, layer: int, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      pattern: SparsePattern) -> torch.Tensor:
     """(heads, Q, length) fp32: the attention the model gives when no key is farther than it was trained for, as in
     the IndexPool cache: the window at its true distances, every far token at one distance (window + topk / 2, the
-    middle of the block the cache moves selected far tokens to) and sink i just beyond, at window + topk + sinks - i."""
+    middle of the block the cache moves selected far tokens to) and sink i just beyond, at window + topk + sinks - i.
+    The queries are the ones `cache` recorded; keys: (length, KV, D) un-rotated fp32."""
     positions = cache.query_positions
     Q, H, KV, D = len(positions), cache.n_heads, cache.n_kv_heads, cache.head_dim
     q = cache.queries[layer].float().unflatten(1, (KV, H // KV))  # (Q, KV, group, D), un-rotated
-    rotated_keys = cache.k[layer, 0].float().transpose(0, 1)  # (length, KV, D)
-    length = rotated_keys.shape[0]
-    keys = apply_rope(rotated_keys[None], cos[:length, None], -sin[:length, None])[0]  # rotated back
+    length = keys.shape[0]
+    rotated_keys = apply_rope(keys[None], cos[:length, None], sin[:length, None])[0]
     token = torch.arange(length)
 
     # A logit depends on the distance only: rotate the query by it and leave the key un-rotated.
@@ -110,19 +145,33 @@ def in_context_probs(cache: IndexingCapture, layer: int, cos: torch.Tensor, sin:
     return logits.masked_fill_(token > positions[:, None], float("-inf")).softmax(dim=-1)
 
 
-@torch.no_grad()
-def measure(model, tokens: list[int], n_positions: int, indexers: dict, pattern: SparsePattern) -> dict:
-    """{teacher: {method: (n_layers, Q) attention mass kept, averaged over heads}} for both teachers: the dense
-    model as it is ("dense"), and with far tokens at in-context distances ("in-context", see in_context_probs)."""
+def dense_key_rotated_back(cache: IndexingCapture, layer: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """(length, KV, D) fp32: the dense cache's keys with their rotation undone."""
+    rotated = cache.k[layer, 0].float().transpose(0, 1)
+    return apply_rope(rotated[None], cos[: rotated.shape[0], None], -sin[: rotated.shape[0], None])[0]
+
+
+@torch.inference_mode()
+def measure(model, tokens: list[int], n_positions: int, indexers: dict, pattern: SparsePattern,
+            reader=None) -> dict:
+    """{teacher: {method: (n_layers, Q) attention mass kept, averaged over heads}}. Read densely (reader None):
+    the dense model as it is ("dense") and with far tokens at in-context distances ("in-context", see
+    in_context_probs). Read through the IndexPool cache with `reader` choosing the far tokens: the in-context
+    attention of those states."""
     length = len(tokens)
     positions = torch.linspace(int(0.9 * length), length - 1, n_positions).round().long().unique()
-    cache = IndexingCapture(model, length, positions, indexers)
     ids = torch.tensor([tokens])
-    for start in range(0, length, 512):
-        model(ids[:, start : start + 512], start, cache)
+    if reader is None:
+        cache, segment = IndexingCapture(model, length, positions, indexers), 512
+        teachers = ["dense", "in-context"]
+    else:
+        cache = IndexPoolCapture(model, length, positions, indexers, reader)
+        segment, teachers = cache.settings.segment, ["in-context, IndexPool read"]
+    for start in range(0, length, segment):
+        model(ids[:, start : start + segment], start, cache)
     cos, sin = rope_tables(model.config, max(length, pattern.window + pattern.topk + pattern.sinks + 1), torch.float32)
     base = attended_tokens(positions, None, length, pattern)
-    kept = {teacher: {name: [] for name in ["sinks + window", *indexers, "oracle"]} for teacher in TEACHERS}
+    kept = {teacher: {name: [] for name in ["sinks + window", *indexers, "oracle"]} for teacher in teachers}
     for layer in range(model.config.n_layers):
         chosen = {"sinks + window": None}
         for name, (indexer, _) in indexers.items():
@@ -131,8 +180,14 @@ def measure(model, tokens: list[int], n_positions: int, indexers: dict, pattern:
             chosen[name] = choose_pools(scores, positions, pattern)
         attended = {name: base if pools is None else attended_tokens(positions, pools, length, pattern)
                     for name, pools in chosen.items()}
-        for teacher, probs in (("dense", cache.attention_probs(layer, cos, sin)),
-                               ("in-context", in_context_probs(cache, layer, cos, sin, pattern))):
+        if reader is None:
+            keys = dense_key_rotated_back(cache, layer, cos, sin)
+            probs_by_teacher = (("dense", cache.attention_probs(layer, cos, sin)),
+                                ("in-context", in_context_probs(cache, layer, keys, cos, sin, pattern)))
+        else:
+            probs_by_teacher = ((teachers[0], in_context_probs(cache, layer, cache.unrotated_keys(layer), cos, sin,
+                                                               pattern)),)
+        for teacher, probs in probs_by_teacher:
             oracle = choose_pools(pool_targets(probs, positions, pattern), positions, pattern)
             for name, tokens_kept in {**attended, "oracle": attended_tokens(positions, oracle, length, pattern)}.items():
                 kept[teacher][name].append((probs * tokens_kept).sum(dim=-1).mean(dim=0))
@@ -148,6 +203,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="CPU threads")
     parser.add_argument("--per-layer", action="store_true", help="also print every layer's figure")
     parser.add_argument("--no-pruned", action="store_true", help="leave out the pruned training-free indexer")
+    parser.add_argument("--states", choices=["dense", "indexpool"], default="dense",
+                        help="read the text densely (default) or through the IndexPool cache, as the engine does")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -175,7 +232,8 @@ def main() -> None:
           f"top {pattern.topk // pattern.kpool} pools of {pattern.kpool}; {args.positions} queries in the last 10%")
     for length in lengths:
         t0 = time.perf_counter()
-        kept = measure(loaded.model, tokens[:length], args.positions, indexers, pattern)
+        reader = None if args.states == "dense" else default_indexer(AttentionChoice(), loaded)
+        kept = measure(loaded.model, tokens[:length], args.positions, indexers, pattern, reader)
         print(f"\n{length} tokens ({time.perf_counter() - t0:.0f} s)")
         for teacher, methods in kept.items():
             floor = methods["sinks + window"]

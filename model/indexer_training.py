@@ -55,28 +55,40 @@ class SparsePattern:
         return p
 
 
-class DenseCapture(KVCache):
-    """The dense KV cache, also keeping (in bf16) the attention input x and the un-rotated attention queries at
-    `query_positions` (sorted), and with `keep_inputs` the attention input of every token and layer."""
+class QueryRecorder:
+    """Keeps (in bf16) the attention input x and the un-rotated attention queries at `query_positions` (sorted) as a
+    cache's forwards pass them: a cache (with n_heads, and start/end set by its `begin`) calls `record` from its
+    `attend`."""
+
+    def _init_recorder(self, config, query_positions: torch.Tensor, device) -> None:
+        self.query_positions = query_positions.to(device)
+        L, Q, bf16 = config.n_layers, len(query_positions), torch.bfloat16
+        self.query_x = torch.empty(L, Q, config.dim, dtype=bf16, device=device)
+        self.queries = torch.empty(L, Q, config.n_heads, config.head_dim, dtype=bf16, device=device)
+
+    def record(self, layer: int, qk: torch.Tensor, x: torch.Tensor) -> None:
+        inside = (self.query_positions >= self.start) & (self.query_positions < self.end)
+        rows = self.query_positions[inside] - self.start
+        self.query_x[layer, inside] = x[0, rows].to(torch.bfloat16)
+        self.queries[layer, inside] = qk[0, rows, : self.n_heads].to(torch.bfloat16)
+
+
+class DenseCapture(QueryRecorder, KVCache):
+    """The dense KV cache, also keeping the attention input and un-rotated queries at `query_positions`
+    (`QueryRecorder`), and with `keep_inputs` the attention input of every token and layer."""
 
     def __init__(self, model: Transformer, length: int, query_positions: torch.Tensor, keep_inputs: bool = True):
         config, device = model.config, model.tok_embeddings.weight.device
         model._ensure_rope(length)
         super().__init__(config, length, model.rope_cos, model.rope_sin, 1, model.dtype, device)
         self.head_dim = config.head_dim
-        self.query_positions = query_positions.to(device)
-        L, Q, bf16 = config.n_layers, len(query_positions), torch.bfloat16
-        self.x = torch.empty(L, length, config.dim, dtype=bf16, device=device) if keep_inputs else None
-        self.query_x = torch.empty(L, Q, config.dim, dtype=bf16, device=device)
-        self.queries = torch.empty(L, Q, config.n_heads, config.head_dim, dtype=bf16, device=device)
+        self._init_recorder(config, query_positions, device)
+        self.x = torch.empty(config.n_layers, length, config.dim, dtype=torch.bfloat16, device=device) if keep_inputs else None
 
     def attend(self, layer, qk, v, x):
         if self.x is not None:
             self.x[layer, self.start : self.end] = x[0]
-        inside = (self.query_positions >= self.start) & (self.query_positions < self.end)
-        rows = self.query_positions[inside] - self.start
-        self.query_x[layer, inside] = x[0, rows].to(torch.bfloat16)
-        self.queries[layer, inside] = qk[0, rows, : self.n_heads].to(torch.bfloat16)
+        self.record(layer, qk, x)
         return super().attend(layer, qk, v, x)
 
     def attention_probs(self, layer: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
