@@ -54,38 +54,45 @@ TEACHERS = {
 }
 
 
-class IndexingCapture(DenseCapture):
-    """Dense attention that also fills one pooled index per (indexer, storage dtype), as the IndexPool cache would."""
+class IndexFiller:
+    """Fills one pooled index per measured (indexer, storage dtype) from a cache's forwards, as the IndexPool cache
+    fills its own: a cache (with n_heads) calls `fill_indexes` from its `attend`."""
 
-    def __init__(self, model, length, query_positions, indexers: dict[str, tuple[object, torch.dtype]]):
-        super().__init__(model, length, query_positions, keep_inputs=False)
+    def _init_indexes(self, indexers: dict[str, tuple[object, torch.dtype]], length: int, device) -> None:
         self.indexers = indexers
-        self.indexes = {name: PooledIndexCache(indexer.ape, length, 1, dtype, self.k.device)
+        self.indexes = {name: PooledIndexCache(indexer.ape, length, 1, dtype, device)
                         for name, (indexer, dtype) in indexers.items()}
 
-    def attend(self, layer, qk, v, x):
+    def fill_indexes(self, layer: int, qk: torch.Tensor, x: torch.Tensor) -> None:
         k = qk[:, :, self.n_heads :]
         for name, (indexer, _) in self.indexers.items():
             self.indexes[name].append(layer, *indexer.keys(layer, x, k))
+
+
+class IndexingCapture(IndexFiller, DenseCapture):
+    """Dense attention that also fills the measured indexers' pooled indexes (`IndexFiller`)."""
+
+    def __init__(self, model, length, query_positions, indexers: dict[str, tuple[object, torch.dtype]]):
+        super().__init__(model, length, query_positions, keep_inputs=False)
+        self._init_indexes(indexers, length, self.k.device)
+
+    def attend(self, layer, qk, v, x):
+        self.fill_indexes(layer, qk, x)
         return super().attend(layer, qk, v, x)
 
 
-class IndexPoolCapture(QueryRecorder, IndexPoolCache):
-    """The IndexPool cache reading as the engine reads (its own indexer choosing the far tokens), also keeping the
-    queries at `query_positions` and filling one pooled index per measured (indexer, storage dtype)."""
+class IndexPoolCapture(IndexFiller, QueryRecorder, IndexPoolCache):
+    """The IndexPool cache reading as the engine reads (its own indexer, `reader`, choosing the far tokens), also
+    keeping the queries at `query_positions` and filling the measured indexers' pooled indexes."""
 
     def __init__(self, model, length, query_positions, indexers: dict[str, tuple[object, torch.dtype]], reader):
         super().__init__(model.config, IndexPoolConfig(kv_storage="bf16"), reader, length, model.dtype,
                          model.tok_embeddings.weight.device)
         self._init_recorder(model.config, query_positions, self.inv_freq.device)
-        self.indexers = indexers
-        self.indexes = {name: PooledIndexCache(indexer.ape, length, 1, dtype, self.inv_freq.device)
-                        for name, (indexer, dtype) in indexers.items()}
+        self._init_indexes(indexers, length, self.inv_freq.device)
 
     def attend(self, layer, qk, v, x):
-        k = qk[:, :, self.n_heads :]
-        for name, (indexer, _) in self.indexers.items():
-            self.indexes[name].append(layer, *indexer.keys(layer, x, k))
+        self.fill_indexes(layer, qk, x)
         self.record(layer, qk, x)
         return super().attend(layer, qk, v, x)
 
