@@ -38,17 +38,17 @@ def worker(length: int, mode: str, decode: int, threads: int | None, options: di
     from model.generate import Session
     from model.indexpool import per_token_index_bytes
     from model.indexpool_cache import IndexPoolConfig
-    from indexpool_cli.attention import AttentionChoice, default_indexer
+    from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer
     from model.runtime import load_engine, set_threads
 
     set_threads(threads)
     loaded = load_engine(None)
     ids = text_ids(loaded.tokenizer, length)
     settings = mode == "indexpool"
-    indexer = default_indexer(AttentionChoice(indexer=options.pop("indexer"), prune_index=options.pop("prune_index")),
-                              loaded)
+    choice = AttentionChoice(indexer=options.pop("indexer"), prune_index=options.pop("prune_index"))
+    indexer, for_segments = default_indexer(choice, loaded), segment_indexer(choice, loaded)
     session = Session(loaded.model, length + decode, attention=IndexPoolConfig(**options) if settings else None,
-                      indexer=indexer if settings else None)
+                      indexer=indexer if settings else None, segment_indexer=for_segments if settings else None)
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.perf_counter()
     every = max(1, length // 16)  # a line on stderr per sixteenth of a long read: rate and memory as it goes
@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--dense", default="4096,32768", help="dense context lengths, or 'none'")
     parser.add_argument("--decode", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--indexer", default="auto", help="auto, training-free, trained or an indexer file")
+    parser.add_argument("--indexer", default="auto", help="auto, training-free, trained, hybrid or an indexer file")
     parser.add_argument("--kv-storage", default="auto")
     parser.add_argument("--index-dtype", default="bf16")
     parser.add_argument("--prune-index", action=argparse.BooleanOptionalAction, default=None,

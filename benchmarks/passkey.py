@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from model.generate import GenerationStats, SamplingParams, Sampler, Session  # noqa: E402
 from model.indexpool_cache import IndexPoolConfig  # noqa: E402
-from indexpool_cli.attention import AttentionChoice, default_indexer  # noqa: E402
+from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer  # noqa: E402
 from model.runtime import load_engine, set_threads  # noqa: E402
 
 DEPTHS = [0.05 + 0.1 * i for i in range(10)]
@@ -68,6 +68,7 @@ def run(args) -> None:
     tokenizer = loaded.tokenizer
     hay_ids = tokenizer.encode(haystack_text(args.haystack))
     indexer = default_indexer(AttentionChoice(indexer=args.indexer, prune_index=args.prune_index), loaded)
+    for_segments = segment_indexer(AttentionChoice(indexer=args.indexer), loaded)
     rng = random.Random(args.seed)
     print(f"model {loaded.name}, indexer {type(indexer).__name__}, {args.haystack} haystack of {len(hay_ids)} tokens, threads {torch.get_num_threads()}", flush=True)
     print(f"{'length':>8} {'mode':>9} {'accuracy':>9} {'trials':>6} {'prefill tok/s':>13}  hits per depth (5%..95%)")
@@ -78,7 +79,8 @@ def run(args) -> None:
             attention = None if mode == "dense" else IndexPoolConfig(topk=args.topk, window=args.window,
                                                                      sinks=args.sinks, segment=args.segment,
                                                                      segment_block=args.segment_block)
-            session = Session(loaded.model, length + 16, attention=attention, indexer=indexer if attention else None)
+            session = Session(loaded.model, length + 16, attention=attention, indexer=indexer if attention else None,
+                              segment_indexer=for_segments if attention else None)
             hits, speeds = {d: 0 for d in DEPTHS}, []
             for depth, key in trials:
                 prompt, _ = build_prompt(tokenizer, hay_ids, length, depth, key)
@@ -109,7 +111,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--indexer", default="auto", help="auto, training-free, trained or an indexer file")
+    parser.add_argument("--indexer", default="auto", help="auto, training-free, trained, hybrid or an indexer file")
     parser.add_argument("--prune-index", action=argparse.BooleanOptionalAction, default=None,
                         help="pruned index keys (default: as the command line, on for the training-free indexer)")
     parser.add_argument("--seed", type=int, default=0)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from model.generate import Session  # noqa: E402
 from model.indexpool_cache import IndexPoolConfig  # noqa: E402
-from indexpool_cli.attention import AttentionChoice, default_indexer  # noqa: E402
+from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer  # noqa: E402
 from model.runtime import load_engine, set_threads  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=64, help="score this many final tokens fed one at a time")
     parser.add_argument("--model", default=None)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--indexer", default="auto", help="auto, training-free, trained or an indexer file")
+    parser.add_argument("--indexer", default="auto", help="auto, training-free, trained, hybrid or an indexer file")
     parser.add_argument("--prune-index", action=argparse.BooleanOptionalAction, default=None,
                         help="pruned index keys (default: as the command line, on for the training-free indexer)")
     parser.add_argument("--topk", type=int, default=IndexPoolConfig.topk)
@@ -78,13 +78,14 @@ def main() -> None:
     settings = IndexPoolConfig(topk=args.topk, window=args.window, segment=args.segment,
                                segment_block=args.segment_block)
     indexer = default_indexer(AttentionChoice(indexer=args.indexer, prune_index=args.prune_index), loaded)
+    for_segments = segment_indexer(AttentionChoice(indexer=args.indexer), loaded)
     first_scored = settings.sinks + settings.topk + settings.window + settings.kpool
     print(f"model {loaded.name}, indexer {type(indexer).__name__}; scored: tokens from {first_scored} on; threads {torch.get_num_threads()}")
     print(f"{'length':>7} {'scored':>6} {'dense ppl':>9} {'indexpool ppl':>13} {'change':>7}")
     for length in args.lengths:
         ids = natural_text_ids(loaded.tokenizer, args.offset, length)
         dense, _, n = nll(Session(loaded.model, length), ids, first_scored, args.decode)
-        sparse, _, _ = nll(Session(loaded.model, length, attention=settings, indexer=indexer), ids, first_scored, args.decode)
+        sparse, _, _ = nll(Session(loaded.model, length, attention=settings, indexer=indexer, segment_indexer=for_segments), ids, first_scored, args.decode)
         print(f"{length:>7} {n:>6} {math.exp(dense):>9.3f} {math.exp(sparse):>13.3f} "
               f"{100 * (math.exp(sparse - dense) - 1):>+6.1f}%", flush=True)
 

@@ -797,16 +797,17 @@ def _indexpool_bytes(loaded) -> dict:
     from model.indexpool import per_token_index_bytes
     from model.indexpool_cache import IndexPoolCache
 
-    from .attention import default_indexer
+    from .attention import default_indexer, segment_indexer
 
     choice = AttentionChoice()
-    indexer = default_indexer(choice, loaded)
+    indexer, for_segments = default_indexer(choice, loaded), segment_indexer(choice, loaded)
     parts = {}
     for kv_storage, index_dtype in (("bf16", "bf16"), ("int8", "fp8")):
         settings = choice.settings()
         settings.kv_storage, settings.index_dtype = kv_storage, index_dtype
         try:
-            cache = IndexPoolCache(loaded.config, settings, indexer, 4 * settings.kpool, loaded.model.dtype)
+            cache = IndexPoolCache(loaded.config, settings, indexer, 4 * settings.kpool, loaded.model.dtype,
+                                   segment_indexer=for_segments)
         except ValueError:  # a model whose context cannot hold the default window, topk and segment
             return {}
         sizes = cache.bytes_per_token()

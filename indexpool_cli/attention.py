@@ -16,7 +16,7 @@ from .console import InputError
 from .options import option_group
 
 ATTENTION_MODES = ("auto", "dense", "indexpool")
-INDEXER_KINDS = ("auto", "training-free", "trained")
+INDEXER_KINDS = ("auto", "training-free", "trained", "hybrid")
 CHAT_CONTEXT = 131072  # IndexPool capacity of an open-ended chat; memory is only touched as it fills
 
 
@@ -27,7 +27,7 @@ class AttentionChoice:
     topk: Annotated[int, typer.Option("--topk", min=1, help="IndexPool: far tokens each query attends to (a multiple of kpool).")] = IndexPoolConfig.topk
     window: Annotated[int, typer.Option("--window", min=1, help="IndexPool: recent tokens always attended.")] = IndexPoolConfig.window
     sinks: Annotated[int, typer.Option("--sinks", min=0, help="IndexPool: first tokens always attended.")] = IndexPoolConfig.sinks
-    indexer: Annotated[str, typer.Option("--indexer", help="IndexPool indexer: auto (training-free: it measured better, see docs/benchmarks.md), training-free, trained (the one shipped for the model), or an indexer file from `indexpool distill`.")] = "auto"
+    indexer: Annotated[str, typer.Option("--indexer", help="IndexPool indexer: auto (training-free: it measured better, see docs/benchmarks.md), training-free, trained (the one shipped for the model), hybrid (the trained one chooses what the document's segments attend to, the training-free one what the question and the answer attend to), or an indexer file from `indexpool distill`.")] = "auto"
     prune_index: Annotated[Optional[bool], typer.Option("--prune-index/--no-prune-index", help="IndexPool, training-free indexer: store the pooled index keys projected onto the directions holding 95% of each layer's key variance (calibrated once per model, ~15 s; docs/benchmarks.md has what it does to recall and speed). Default: on for the training-free indexer.")] = None
     index_dtype: Annotated[str, typer.Option("--index-dtype", help="IndexPool pooled-index storage: bf16, fp16 or fp8.")] = IndexPoolConfig.index_dtype
     kv_storage: Annotated[str, typer.Option("--kv-storage", help="IndexPool history K/V: auto (bf16 while it takes under a quarter of RAM, else int8), bf16 or int8.")] = IndexPoolConfig.kv_storage
@@ -43,11 +43,12 @@ attention_options = option_group(AttentionChoice, "attention")
 
 
 def default_indexer(choice: AttentionChoice, loaded):
+    """The indexer choosing what a query attends to (for --indexer hybrid: what the short forwards, a question and
+    the generated tokens, attend to; `segment_indexer` chooses for the document's segments)."""
     from model.indexers import TrainingFreeIndexer
-    from model.lightning_indexer import LightningIndexer, ModelFingerprint, default_indexer_path
 
     kind = choice.indexer
-    if kind in ("auto", "training-free"):  # auto: the kind that measured better on retrieval (docs/benchmarks.md)
+    if kind in ("auto", "training-free", "hybrid"):  # auto: the kind that measured better on retrieval (docs/benchmarks.md)
         projection = None
         if choice.prune_index is not False:  # on unless turned off: recall as whole keys, decode at 128K 17% faster
             from model.index_pruning import pruning_projection
@@ -58,8 +59,21 @@ def default_indexer(choice: AttentionChoice, loaded):
                 "calibrating the index pruning (once per model)", spinner="dots"))
         return TrainingFreeIndexer(loaded.config, choice.kpool, loaded.model.tok_embeddings.weight.device, projection)
     if choice.prune_index:
-        raise typer.BadParameter("--prune-index applies to the training-free indexer (--indexer auto or "
-                                 "training-free); a trained indexer has keys of its own width")
+        raise typer.BadParameter("--prune-index applies to the training-free indexer (--indexer auto, "
+                                 "training-free or hybrid); a trained indexer has keys of its own width")
+    return _lightning_indexer(kind, loaded)
+
+
+def segment_indexer(choice: AttentionChoice, loaded):
+    """The indexer choosing what long forwards (the document's segments) attend to when it is not the one
+    `default_indexer` gives: the shipped trained one for --indexer hybrid; None otherwise."""
+    return _lightning_indexer("trained", loaded) if choice.indexer == "hybrid" else None
+
+
+def _lightning_indexer(kind: str, loaded):
+    """The shipped trained indexer (kind "trained") or the one in the file `kind`."""
+    from model.lightning_indexer import LightningIndexer, ModelFingerprint, default_indexer_path
+
     if kind == "trained":
         path = default_indexer_path(loaded.name)
         if path is None:
@@ -68,7 +82,7 @@ def default_indexer(choice: AttentionChoice, loaded):
     else:
         path = Path(kind)
         if not path.is_file():
-            raise InputError(f"indexer file {path} not found (or use --indexer auto|training-free|trained)")
+            raise InputError(f"indexer file {path} not found (or use --indexer {'|'.join(INDEXER_KINDS)})")
     try:
         return LightningIndexer.load(path, device=loaded.model.tok_embeddings.weight.device,
                                      model=ModelFingerprint.of(loaded))
@@ -141,8 +155,8 @@ def open_session(loaded, choice: AttentionChoice, needed_tokens: int | None, aut
             raise InputError(f"the input needs {needed_tokens} tokens (prompt + new tokens) but dense attention holds "
                              f"the model's context of {context}; use --attention indexpool (or auto)")
         return Session(loaded.model, min(context, needed_tokens or context))
-    indexer = default_indexer(choice, loaded)
-    session = Session(loaded.model, needed_tokens or CHAT_CONTEXT, attention=settings, indexer=indexer)
+    session = Session(loaded.model, needed_tokens or CHAT_CONTEXT, attention=settings,
+                      indexer=default_indexer(choice, loaded), segment_indexer=segment_indexer(choice, loaded))
     if needed_tokens is not None:
         check_memory_budget(session.cache, needed_tokens)
     return session

@@ -194,6 +194,8 @@ def session_identity(loaded, session, choice) -> dict:
                         sinks=settings.sinks, segment=settings.segment, index_dtype=settings.index_dtype,
                         kv_storage=cache.kv_storage, indexer=choice.indexer, indexer_kind=type(cache.indexer).__name__,
                         index_dims=cache.indexer.key_dim)
+        if cache.segment_indexer is not None:
+            identity["segment_indexer_kind"] = type(cache.segment_indexer).__name__
     else:
         identity.update(attention="dense", segment=session.segment)
     return identity

@@ -87,7 +87,8 @@ class Session:
     """
 
     def __init__(self, model: Transformer, max_length: int, segment: int = 512,
-                 attention: IndexPoolConfig | None = None, indexer: Indexer | None = None):
+                 attention: IndexPoolConfig | None = None, indexer: Indexer | None = None,
+                 segment_indexer: Indexer | None = None):
         self.model = model
         self.device = model.tok_embeddings.weight.device
         self.tokens: list[int] = []
@@ -98,7 +99,8 @@ class Session:
             self.segment, self.query_tokens = segment, 0
         else:
             indexer = indexer or TrainingFreeIndexer(model.config, attention.kpool, self.device)
-            self.cache = IndexPoolCache(model.config, attention, indexer, max_length, model.dtype, self.device)
+            self.cache = IndexPoolCache(model.config, attention, indexer, max_length, model.dtype, self.device,
+                                        segment_indexer)
             # The prompt's last tokens (where a question is) get their own forward, so they select per query.
             self.segment, self.query_tokens = attention.segment, attention.query_tokens
 

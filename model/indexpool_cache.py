@@ -181,10 +181,11 @@ class IndexPoolCache:
     """Drop-in replacement for the dense `KVCache` (same begin/attend/truncate), batch size 1."""
 
     def __init__(self, config: LlamaConfig, settings: IndexPoolConfig, indexer: Indexer, max_length: int,
-                 dtype: torch.dtype = torch.bfloat16, device=None):
+                 dtype: torch.dtype = torch.bfloat16, device=None, segment_indexer: Indexer | None = None):
         settings.validate(config.context_length)
-        if indexer.kpool != settings.kpool:
-            raise ValueError(f"the indexer pools {indexer.kpool} tokens, the settings ask for kpool={settings.kpool}")
+        for kind in (indexer, segment_indexer):
+            if kind is not None and kind.kpool != settings.kpool:
+                raise ValueError(f"the indexer pools {kind.kpool} tokens, the settings ask for kpool={settings.kpool}")
         self.config, self.settings, self.indexer = config, settings, indexer
         self.max_length, self.dtype = max_length, dtype
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
@@ -194,6 +195,12 @@ class IndexPoolCache:
         self.store = HistoryStore(n_layers, max_length, config.n_kv_heads, config.head_dim, self.kv_storage, dtype,
                                   settings.offload_dir, device)
         self.index = PooledIndexCache(indexer.ape, max_length, 1, INDEX_DTYPES[settings.index_dtype], device)
+        # Optionally a second indexer (and pooled index) for what long forwards, the document's segments, attend
+        # to; the first one still chooses for short forwards (a question, generated tokens).
+        self.segment_indexer = segment_indexer
+        self.segment_index = None if segment_indexer is None else \
+            PooledIndexCache(segment_indexer.ape, max_length, 1, INDEX_DTYPES[settings.index_dtype], device)
+        self.indexes = [self.index] + ([] if self.segment_index is None else [self.segment_index])
         self.sources = indexer_source_layers(settings.schedule or ["full"] * n_layers)
         if len(self.sources) != n_layers:
             raise ValueError(f"the indexer schedule lists {len(self.sources)} layers; the model has {n_layers}")
@@ -215,11 +222,11 @@ class IndexPoolCache:
     def bytes_per_token(self) -> dict[str, float]:
         """Bytes per token over all layers: history K/V, pooled index (amortised over a pool)."""
         return {"history_kv": self.store.bytes_per_token(),
-                "pooled_index": self.index.bytes_per_token() * self.config.n_layers}
+                "pooled_index": sum(index.bytes_per_token() for index in self.indexes) * self.config.n_layers}
 
     def fixed_bytes(self) -> int:
         """Buffers whose size does not grow with the input: the recent window, the index tail."""
-        tensors = (self.recent_k, self.recent_v, self.index._tail_keys, self.index._tail_gates)
+        tensors = (self.recent_k, self.recent_v, *(t for index in self.indexes for t in (index._tail_keys, index._tail_gates)))
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def truncate(self, length: int) -> int:
@@ -228,7 +235,8 @@ class IndexPoolCache:
         length -= length % self.settings.kpool
         if length == self.length:
             return length
-        self.index.truncate(length)
+        for index in self.indexes:
+            index.truncate(length)
         ws = self._window_start(length)
         if ws < self.recent_start:  # the window's start has left the buffer: refill it from the store
             self.recent_start = ws
@@ -254,7 +262,8 @@ class IndexPoolCache:
         for name, target in self._state_views(n, ws).items():
             target.copy_(state[name])
         self.recent_start = ws
-        self.index._n_tokens = [n] * self.config.n_layers
+        for index in self.indexes:
+            index._n_tokens = [n] * self.config.n_layers
         self.length = n
 
     def _state_views(self, n: int, recent_start: int) -> dict[str, torch.Tensor]:
@@ -264,13 +273,17 @@ class IndexPoolCache:
             raise ValueError(f"a cache state is taken at a pool boundary (kpool={kpool}), not after {n} tokens")
         recent = slice(self._window_start(n) - recent_start, n - recent_start)
         views = {"history_k": self.store.k[:, :n], "history_v": self.store.v[:, :n],
-                 "pooled_index": self.index._pooled[:, :, : n // kpool],
+                 **{name: index._pooled[:, :, : n // kpool] for name, index in self._named_indexes()},
                  "recent_k": self.recent_k[:, :, recent], "recent_v": self.recent_v[:, :, recent]}
         if self.store.quantized:
             views["history_k_scale"], views["history_v_scale"] = self.store.k_scale[:, :n], self.store.v_scale[:, :n]
-        if self.index._scales is not None:
-            views["pooled_index_scale"] = self.index._scales[:, :, : n // kpool]
+        for name, index in self._named_indexes():
+            if index._scales is not None:
+                views[f"{name}_scale"] = index._scales[:, :, : n // kpool]
         return views
+
+    def _named_indexes(self) -> list[tuple[str, PooledIndexCache]]:
+        return list(zip(["pooled_index", "segment_pooled_index"], self.indexes))
 
     def _refill_recent(self, start: int, end: int) -> None:
         cos, sin = rope_at(self.inv_freq, torch.arange(start, end, device=self.inv_freq.device))
@@ -343,12 +356,14 @@ class IndexPoolCache:
         if self.n_far <= s.topk:  # everything fits: no scoring
             return self.fixed_positions.expand(n_blocks, -1)
         first_pool, end_pool = self.n_sinks // s.kpool, self.ws // s.kpool
-        pooled = self.index.pooled(layer)[:, first_pool:end_pool]
-        index_q, weights = self.indexer.queries(layer, x, q)
+        indexer, index = (self.indexer, self.index) if self.per_query or self.segment_indexer is None else \
+            (self.segment_indexer, self.segment_index)
+        pooled = index.pooled(layer)[:, first_pool:end_pool]
+        index_q, weights = indexer.queries(layer, x, q)
         if not self.per_query:  # one selection per block, from its mean index query
             index_q, weights = (torch.stack([t[:, b : b + self.query_block].mean(dim=1) for b in range(0, T, self.query_block)], 1)
                                 for t in (index_q, weights))
-        scores = self.indexer.score(layer, index_q, weights, pooled)[0]  # (T or n_blocks, P)
+        scores = indexer.score(layer, index_q, weights, pooled)[0]  # (T or n_blocks, P)
         if self.per_query:
             scores = F.pad(scores, (0, 0, 0, -T % self.query_block)).view(n_blocks, -1, scores.shape[1]).sum(1)
         pools = scores.topk(s.topk // s.kpool, dim=-1).indices.sort(dim=-1).values + first_pool
@@ -363,8 +378,8 @@ class IndexPoolCache:
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         T, group = qk.shape[1], H // KV
         q, k = qk[:, :, :H], qk[:, :, H:]  # un-rotated
-        index_keys, gate_logits = self.indexer.keys(layer, x, k)
-        self.index.append(layer, index_keys, gate_logits)
+        for index, indexer in zip(self.indexes, (self.indexer, self.segment_indexer)):
+            index.append(layer, *indexer.keys(layer, x, k))
         self.store.write(layer, self.start, k[0], v[0])
         qk_rot = apply_rope(qk, self.cos, self.sin).to(self.dtype)[0]  # q and k heads rotated in one go
         q_rot = qk_rot[:, :H]  # (T, H, D)

@@ -13,6 +13,7 @@ from model.generate import Session
 from model.indexers import TrainingFreeIndexer
 from model.indexpool import PooledIndexCache, indexer_source_layers, per_token_index_bytes, pool_keys
 from model.indexpool_cache import INDEX_DTYPES, IndexPoolCache, IndexPoolConfig
+from model.lightning_indexer import LightningIndexer, LightningIndexerConfig, ModelFingerprint
 from model.llama import LlamaConfig, Transformer, apply_rope, inverse_frequencies, rope_at
 
 CONFIG = LlamaConfig(vocab_size=97, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
@@ -32,13 +33,17 @@ def tiny_model(seed: int = 0) -> Transformer:
 class ReferenceCache:
     """Brute force, per query, fp64 attention over the positions the IndexPool rules give it."""
 
-    def __init__(self, config: LlamaConfig, settings: IndexPoolConfig, indexer, max_length: int):
-        self.c, self.s, self.indexer, self.max_length = config, settings, indexer, max_length
+    def __init__(self, config: LlamaConfig, settings: IndexPoolConfig, indexer, max_length: int,
+                 segment_indexer=None):
+        self.c, self.s, self.max_length = config, settings, max_length
         L, KV, D = config.n_layers, config.n_kv_heads, config.head_dim
         self.k = torch.zeros(L, max_length, KV, D, dtype=torch.float64)
         self.v = torch.zeros(L, max_length, KV, D, dtype=torch.float64)
-        self.index_keys = torch.zeros(L, max_length, indexer.key_dim)
-        self.gates = torch.zeros(L, max_length, indexer.key_dim)
+        # Per indexer ("short" forwards; "segment" forwards, the same one unless a segment indexer is given): its
+        # index keys and gates of every token.
+        self.indexers = {"short": indexer, "segment": segment_indexer or indexer}
+        self.index_keys = {kind: torch.zeros(L, max_length, i.key_dim) for kind, i in self.indexers.items()}
+        self.gates = {kind: torch.zeros(L, max_length, i.key_dim) for kind, i in self.indexers.items()}
         self.inv_freq = inverse_frequencies(config)
         self.sources = indexer_source_layers(settings.schedule or ["full"] * L)
         self.length = 0
@@ -59,16 +64,18 @@ class ReferenceCache:
         if ws - n_sinks <= s.topk:
             return [list(range(n_sinks, ws))] * T
         first, last = n_sinks // s.kpool, ws // s.kpool
-        pooled = pool_keys(self.index_keys[layer, : last * s.kpool], self.gates[layer, : last * s.kpool],
-                           self.indexer.ape[layer], s.kpool)[first:]
+        kind = "segment" if T > s.query_tokens else "short"
+        indexer = self.indexers[kind]
+        pooled = pool_keys(self.index_keys[kind][layer, : last * s.kpool], self.gates[kind][layer, : last * s.kpool],
+                           indexer.ape[layer], s.kpool)[first:]
         pooled = pooled.to(INDEX_DTYPES[s.index_dtype]).to(torch.bfloat16)[None]
-        index_q, weights = self.indexer.queries(layer, x, q[None])
+        index_q, weights = indexer.queries(layer, x, q[None])
         if T > s.query_tokens:  # one selection per block of the segment, from the block's mean index query
             blocks = [(b, min(b + s.segment_block, T)) for b in range(0, T, s.segment_block)]
-            scores = torch.cat([self.indexer.score(layer, index_q[:, b:e].mean(1, keepdim=True),
-                                                   weights[:, b:e].mean(1, keepdim=True), pooled)[0] for b, e in blocks])
+            scores = torch.cat([indexer.score(layer, index_q[:, b:e].mean(1, keepdim=True),
+                                              weights[:, b:e].mean(1, keepdim=True), pooled)[0] for b, e in blocks])
         else:
-            scores = self.indexer.score(layer, index_q, weights, pooled)[0]
+            scores = indexer.score(layer, index_q, weights, pooled)[0]
             blocks = [(b, min(b + s.query_block, T)) for b in range(0, T, s.query_block)]
             scores = torch.stack([scores[b:e].sum(0) for b, e in blocks])
         selection = []
@@ -80,8 +87,10 @@ class ReferenceCache:
     def attend(self, layer, qk, v, x):
         H, KV, D, s = self.c.n_heads, self.c.n_kv_heads, self.c.head_dim, self.s
         q, k = qk[0, :, :H], qk[0, :, H:]
-        keys, gates = self.indexer.keys(layer, x, k[None])
-        self.index_keys[layer, self.start : self.end], self.gates[layer, self.start : self.end] = keys[0], gates[0]
+        for kind, indexer in self.indexers.items():
+            keys, gates = indexer.keys(layer, x, k[None])
+            self.index_keys[kind][layer, self.start : self.end] = keys[0]
+            self.gates[kind][layer, self.start : self.end] = gates[0]
         self.k[layer, self.start : self.end], self.v[layer, self.start : self.end] = k.double(), v[0].double()
         ws = max(0, (self.start - s.window) // s.kpool * s.kpool)
         n_sinks = min(s.sinks, ws)
@@ -107,12 +116,12 @@ class ReferenceCache:
         return torch.stack(out)[None].to(qk.dtype)
 
 
-def run_session(model, settings, prompts, new_tokens=6, reference=False, **cache_options):
+def run_session(model, settings, prompts, new_tokens=6, reference=False, segment_indexer=None, **cache_options):
     """Logits of every prefill and decode step over a sequence of prompts in one session."""
     config = IndexPoolConfig(**settings, **cache_options)
-    session = Session(model, 256, attention=config)
+    session = Session(model, 256, attention=config, segment_indexer=segment_indexer)
     if reference:
-        session.cache = ReferenceCache(CONFIG, config, session.cache.indexer, 256)
+        session.cache = ReferenceCache(CONFIG, config, session.cache.indexer, 256, segment_indexer)
     logits = []
     for prompt in prompts:
         logits.append(session.prefill(prompt))
@@ -138,6 +147,41 @@ def test_matches_reference_attention(length):
     ours = run_session(model, SETTINGS, prompt)
     reference = run_session(model, SETTINGS, prompt, reference=True)
     torch.testing.assert_close(ours, reference, atol=2e-4, rtol=0)
+
+
+def tiny_lightning_indexer(seed: int = 0) -> LightningIndexer:
+    """A random trained-kind indexer for the tiny model, its gates and APE randomised too (they start at zero)."""
+    torch.manual_seed(seed)
+    fingerprint = ModelFingerprint("tiny", 1, CONFIG.n_layers, CONFIG.dim, CONFIG.n_heads, CONFIG.n_kv_heads,
+                                   CONFIG.head_dim)
+    indexer = LightningIndexer(LightningIndexerConfig(fingerprint, key_dim=8, heads=3, kpool=4))
+    with torch.no_grad():
+        indexer.key_gate_proj.normal_(std=0.3)
+        indexer.ape.normal_()
+    return indexer.requires_grad_(False)
+
+
+def test_a_segment_indexer_chooses_for_long_forwards_only():
+    """--indexer hybrid: a second indexer (and pooled index) for the document's segments; the training-free one
+    still chooses for short forwards. Against the reference, which keeps both indexers' keys."""
+    model, segment_indexer = tiny_model(7), tiny_lightning_indexer()
+    prompt = prompts_for(12, [150])
+    ours = run_session(model, SETTINGS, prompt, segment_indexer=segment_indexer)
+    torch.testing.assert_close(ours, run_session(model, SETTINGS, prompt, reference=True, segment_indexer=segment_indexer),
+                               atol=2e-4, rtol=0)
+    assert not torch.allclose(ours, run_session(model, SETTINGS, prompt), atol=2e-4, rtol=0)  # it did choose
+    # The document cache's round trip keeps the second pooled index too.
+    document, question = prompt[0][:140], prompts_for(13, [9])[0]
+    original = Session(model, 256, attention=IndexPoolConfig(**SETTINGS), segment_indexer=segment_indexer)
+    original.prefill(document, query_tail=False)
+    state = {name: t.clone() for name, t in original.export_state().items()}
+    assert "segment_pooled_index" in state
+    restored = Session(model, 256, attention=IndexPoolConfig(**SETTINGS), segment_indexer=segment_indexer)
+    restored.restore(document, state)
+    long_question = question * 8  # longer than query_tokens: read as a segment, by the segment indexer
+    assert torch.equal(restored.prefill(document + long_question), original.prefill(document + long_question))
+    with pytest.raises(ValueError, match="does not match"):
+        Session(model, 256, attention=IndexPoolConfig(**SETTINGS)).restore(document, state)
 
 
 def test_short_input_equals_dense_attention():

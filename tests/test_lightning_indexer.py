@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -301,3 +302,20 @@ def test_command_distills_a_tiny_model_end_to_end(distill_app, tmp_path, default
     indexer = LightningIndexer.load(out)
     assert (indexer.key_dim, indexer.heads) == (8, 2)
     assert (indexer.config.model.name, indexer.config.model.file_bytes) == ("tiny-test", gguf.stat().st_size)
+
+
+def test_hybrid_indexer_on_the_command_line(tmp_path):
+    """--indexer hybrid: the shipped trained indexer chooses for the document's segments, the training-free one for
+    the question; the answer, its sources and the document cache's round trip work as with one indexer."""
+    from test_cli import indexpool, ok
+    from test_document_jobs import FACT, QUESTION
+
+    from doc_fixtures import write_planted_report
+
+    report = write_planted_report(tmp_path, FACT, topics=6, lines=160)
+    command = ["ask", str(report), QUESTION, "--indexer", "hybrid", "--json", "--quiet",
+               "--cache-dir", str(tmp_path / "cache"), "-n", "16"]
+    first, second = (json.loads(ok(indexpool(*command))) for _ in range(2))
+    assert "41729" in first["text"] and first["sources"]
+    assert (first["cached"], second["cached"]) == (False, True)
+    assert second["text"] == first["text"] and second["sources"] == first["sources"]
