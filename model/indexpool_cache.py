@@ -28,6 +28,8 @@ prefill segment each block of `segment_block` consecutive queries (default: the 
 scored with the block's mean index query: a per-query scan of every pool for thousands of queries would cost more
 than the attention it saves. Smaller blocks buy little perplexity for their prefill time (8K: +2.2% against dense
 with one selection per 2048-token segment, +2.0% with blocks of 256, which read 32K 10% slower; docs/benchmarks.md).
+An optional second indexer (`segment_indexer`: `--indexer hybrid`), with a pooled index of its own, makes the
+shared selections (a segment's blocks, a forward read with one selection); the first one makes the per-query ones.
 """
 
 from __future__ import annotations
@@ -195,8 +197,7 @@ class IndexPoolCache:
         self.store = HistoryStore(n_layers, max_length, config.n_kv_heads, config.head_dim, self.kv_storage, dtype,
                                   settings.offload_dir, device)
         self.index = PooledIndexCache(indexer.ape, max_length, 1, INDEX_DTYPES[settings.index_dtype], device)
-        # Optionally a second indexer (and pooled index) for what long forwards, the document's segments, attend
-        # to; the first one still chooses for short forwards (a question, generated tokens).
+        # Optionally a second indexer (and pooled index) for the shared selections (see the module docstring).
         self.segment_indexer = segment_indexer
         self.segment_index = None if segment_indexer is None else \
             PooledIndexCache(segment_indexer.ape, max_length, 1, INDEX_DTYPES[settings.index_dtype], device)
