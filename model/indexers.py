@@ -58,12 +58,12 @@ class TrainingFreeIndexer:
         self.projection = None if projection is None else projection.to(device)
         self.key_dim = config.kv_dim if projection is None else projection.shape[-1]
         self.ape = torch.zeros(config.n_layers, kpool, self.key_dim, device=device)
-        self._head_projections: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._projections: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def keys(self, layer, x, k):
         keys = k.flatten(2)
         if self.projection is not None:
-            keys = keys @ self.projection[layer].to(keys.dtype)
+            keys = keys @ self._projected(layer, keys.dtype)[0]
         return keys, torch.zeros_like(keys)
 
     def queries(self, layer, x, q):
@@ -72,13 +72,18 @@ class TrainingFreeIndexer:
     def head_projection(self, layer: int, dtype: torch.dtype) -> torch.Tensor:
         """(KV, head_dim, key_dim): what maps a query head of each KV head into the pooled keys' space, 1/sqrt(D)
         folded in: the rows of the layer's projection that read that KV head's slice of a key (without a
-        projection, that slice of the identity). Built once per layer and dtype."""
-        cached = self._head_projections.get((layer, dtype))
+        projection, that slice of the identity)."""
+        return self._projected(layer, dtype)[1]
+
+    def _projected(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key projection (kv_dim, key_dim) and `head_projection`, in `dtype`, built once per layer and
+        dtype rather than converted at every call (a decode step calls both in every layer)."""
+        cached = self._projections.get((layer, dtype))
         if cached is None:
             KV, D = self.n_kv_heads, self.head_dim
-            with torch.inference_mode(False):  # a normal tensor: callers may run with autograd on
+            with torch.inference_mode(False):  # normal tensors: callers may run with autograd on
                 full = torch.eye(KV * D, device=self.ape.device) if self.projection is None else self.projection[layer]
-                cached = self._head_projections[(layer, dtype)] = (full.view(KV, D, -1) * D**-0.5).to(dtype)
+                cached = self._projections[(layer, dtype)] = (full.to(dtype), (full.view(KV, D, -1) * D**-0.5).to(dtype))
         return cached
 
     def score(self, layer, q, weights, pooled, limits=None, chunk: int = 8):
