@@ -359,7 +359,7 @@ class IndexPoolCache:
         first_pool, end_pool = self.n_sinks // s.kpool, self.ws // s.kpool
         indexer, index = (self.indexer, self.index) if self.per_query or self.segment_indexer is None else \
             (self.segment_indexer, self.segment_index)
-        pooled = index.pooled(layer)[:, first_pool:end_pool]
+        pooled = self.scored_pools(index, layer, first_pool, end_pool)
         index_q, weights = indexer.queries(layer, x, q)
         if not self.per_query:  # one selection per block, from its mean index query
             index_q, weights = (torch.stack([t[:, b : b + self.query_block].mean(dim=1) for b in range(0, T, self.query_block)], 1)
@@ -370,6 +370,12 @@ class IndexPoolCache:
         pools = scores.topk(s.topk // s.kpool, dim=-1).indices.sort(dim=-1).values + first_pool
         far = (pools[..., None] * s.kpool + self.pool_offsets).flatten(-2)
         return torch.cat([self.fixed_positions.expand(n_blocks, -1), far], dim=-1)
+
+    def scored_pools(self, index: PooledIndexCache, layer: int, first_pool: int, end_pool: int) -> torch.Tensor:
+        """The pooled keys [first_pool, end_pool) of `index` in the compute dtype, which the indexer's matmuls run
+        in. The engine computes in fp32 on a CPU without native bf16, and there a bf16 matmul is emulated: one query
+        against 8,208 bf16 pools took 3.19 ms, 0.48 ms with the keys widened first (AVX2 EPYC, one thread)."""
+        return index.pooled(layer)[:, first_pool:end_pool].to(self.dtype)
 
     def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Attention over the far part (sinks + selected, per query block) and the recent window, computed

@@ -68,7 +68,8 @@ class ReferenceCache:
         indexer = self.indexers[kind]
         pooled = pool_keys(self.index_keys[kind][layer, : last * s.kpool], self.gates[kind][layer, : last * s.kpool],
                            indexer.ape[layer], s.kpool)[first:]
-        pooled = pooled.to(INDEX_DTYPES[s.index_dtype]).to(torch.bfloat16)[None]
+        # Rounded as stored, scored in the model's dtype (fp32 here), as the cache does.
+        pooled = pooled.to(INDEX_DTYPES[s.index_dtype]).to(torch.bfloat16).float()[None]
         index_q, weights = indexer.queries(layer, x, q[None])
         if T > s.query_tokens:  # one selection per block of the segment, from the block's mean index query
             blocks = [(b, min(b + s.segment_block, T)) for b in range(0, T, s.segment_block)]
