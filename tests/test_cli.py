@@ -263,6 +263,29 @@ def test_bench_runs_our_engine_and_reports_json():
     assert result["prefill_tps"] > 0 and result["peak_rss_mib"] > 100
 
 
+def test_bench_skips_transformers_bf16_without_native_bf16(monkeypatch, capsys):
+    """Where bf16 is emulated, the bench runs transformers in fp32 only and says why bf16 was left out."""
+    from indexpool_cli import bench
+
+    started = []
+
+    def fake_run(command, **kwargs):  # the worker process: record the job, answer with one figure set
+        job = json.loads(command[-1])
+        started.append((command[-2], job["dtype"]))
+        figures = {"engine": command[-2], "dtype": job["dtype"], "prefill_tps": 10.0, "decode_tps": {"16": 2.0},
+                   "peak_rss_mib": 1.0}
+        return subprocess.CompletedProcess(command, 0, stdout=json.dumps(figures) + "\n", stderr="")
+
+    monkeypatch.setattr(bench, "_native_bf16", lambda: False)
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    bench.run_bench(None, [16], 64, 2, 1, ["indexpool", "transformers"], json_out=True)
+    report = json.loads(capsys.readouterr().out)
+    assert started == [("indexpool", "auto"), ("transformers", "fp32")]
+    skipped = [r for r in report["results"] if r["dtype"] == "bf16"]
+    assert len(skipped) == 1 and skipped[0]["error"].startswith("skipped: this CPU has no native bf16")
+    assert report["ratios"] == {"prefill": 1.0, "decode@16": 1.0}
+
+
 def test_missing_default_model(tmp_path):
     # A sitecustomize.py on PYTHONPATH runs at interpreter start-up and hides the model wheel from find_spec.
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""\
