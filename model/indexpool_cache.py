@@ -425,12 +425,15 @@ class IndexPoolCache:
             far_k = far_k.roll(self.head_dim // 2, -1).mul_(self.far_sin_signed).addcmul_(far_k, self.far_cos)
             q_blocks = F.pad(q_rot, (0, 0, 0, 0, 0, n_blocks * block - T)).view(n_blocks, block, KV, group, D)
             q_blocks = q_blocks.transpose(1, 2).reshape(n_blocks, KV, block * group, D)
-            far_out, far_lse = attention_with_lse(q_blocks, far_k.transpose(1, 2), far_v.transpose(1, 2))
-            parts.append((far_out.view(n_blocks, KV, block * group, D).transpose(0, 1).reshape(1, KV, -1, D)[:, :, : T * group],
+            if evidence:  # the logits are needed for the evidence too: computed once, for both
+                far_logits = gathered_key_logits(q_blocks, far_k)
+                far_out, far_lse = attention_from_logits(far_logits, far_v)
+            else:
+                far_out, far_lse = attention_with_lse(q_blocks, far_k.transpose(1, 2), far_v.transpose(1, 2))
+            parts.append((far_out.reshape(n_blocks, KV, block * group, D).transpose(0, 1).reshape(1, KV, -1, D)[:, :, : T * group],
                           far_lse.transpose(0, 1).reshape(1, KV, -1)[:, :, : T * group]))
         if evidence:
-            self._add_evidence(layer, parts, q_rows, window_end, far, far_k if far.shape[1] else None,
-                               q_blocks if far.shape[1] else None)
+            self._add_evidence(layer, parts, q_rows, window_end, far, far_logits if far.shape[1] else None)
         out = merge_attention(parts)
         return out.view(KV, T, group, D).transpose(0, 1).reshape(1, T, H * D)
 
@@ -445,10 +448,11 @@ class IndexPoolCache:
                                 self.recent_k[layer, :, window], self.recent_v[layer, :, window], self.start - self.ws,
                                 query_block=self.query_block, k_scale=scales[0], v_scale=scales[1])
 
-    def _add_evidence(self, layer, parts, q_rows, window_end, far, far_k, q_blocks) -> None:
-        """Each attended token's attention probability, from the logits recomputed (products in the cache's dtype,
-        fp32 after: converting every gathered key to fp32 first doubled a question's reading time) against the
-        whole forward's log-sum-exp (short forwards only: a question, an answer token)."""
+    def _add_evidence(self, layer, parts, q_rows, window_end, far, far_logits) -> None:
+        """Each attended token's attention probability, from its logit (the far part's as `attend` computed them,
+        the window's recomputed; products in the cache's dtype, fp32 after: converting every gathered key to fp32
+        first doubled a question's reading time) against the whole forward's log-sum-exp (short forwards only: a
+        question, an answer token)."""
         KV, D = self.n_kv_heads, self.head_dim
         lse = torch.stack([part_lse for _, part_lse in parts]).logsumexp(dim=0)[0]  # (KV, rows)
         # Keys from end - local_band on are in every query's local band (masked below): not computed at all. In a
@@ -463,24 +467,43 @@ class IndexPoolCache:
             local = positions[None, :] > query_positions[:, None] - self.evidence.local_band
             mass = (logits - lse[..., None]).exp().masked_fill_(local, 0).sum(dim=(0, 1))
             self.evidence.add(positions, mass)
-        if far_k is not None:
-            n_blocks, rows = q_blocks.shape[0], q_blocks.shape[2]
+        if far_logits is not None:
+            n_blocks, rows = far_logits.shape[0], far_logits.shape[2] // KV
             # The forward's rows in block order; padded rows get +inf, so they add nothing.
             lse_blocks = F.pad(lse, (0, n_blocks * rows - lse.shape[1]), value=float("inf"))
             lse_blocks = lse_blocks.view(KV, n_blocks, rows).transpose(0, 1)
-            self.evidence.add(far.flatten(), gathered_key_mass(q_blocks, far_k, lse_blocks).flatten())
+            self.evidence.add(far.flatten(), gathered_key_mass(far_logits, lse_blocks).flatten())
 
 
-def gathered_key_mass(q: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Attention probability of each gathered key, summed over the query rows: q (B, KV, R, D) rows per KV head,
-    keys (B, N, KV, D) as gathered (rotated), lse (B, KV, R) of the rows' whole attention; returns (B, N) fp32.
-    The logits are one matmul against block-diagonal queries (each row's query in its KV head's slice, zeros
-    elsewhere), so the keys are read in their gathered layout instead of being copied into a per-head one."""
+def gathered_key_logits(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Scaled fp32 logits (B, N, KV * R) of query rows q (B, KV, R, D), R rows per KV head, against keys (B, N, KV, D)
+    as gathered (rotated): column h * R + r is row r of KV head h. One matmul against block-diagonal queries (each
+    row's query in its KV head's slice, zeros elsewhere), so the keys are read in their gathered layout instead of
+    being copied into a per-head one."""
     B, KV, R, D = q.shape
     blocks = torch.eye(KV, dtype=q.dtype, device=q.device).view(1, KV, 1, KV, 1)
     q_blocks = (q[:, :, :, None, :] * blocks).reshape(B, KV * R, KV * D)
-    logits = torch.bmm(keys.reshape(B, keys.shape[1], KV * D), q_blocks.transpose(1, 2)).float() * D**-0.5
-    return (logits - lse.reshape(B, 1, KV * R)).exp().sum(dim=-1)
+    return torch.bmm(keys.reshape(B, keys.shape[1], KV * D), q_blocks.transpose(1, 2)).float() * D**-0.5
+
+
+def attention_from_logits(logits: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output (B, KV, R, D) in the values' dtype and fp32 log-sum-exp (B, KV, R) from `gathered_key_logits`
+    and the values (B, N, KV, D) as gathered. Where the logits are wanted anyway (evidence), this replaces the flash
+    kernel: a question of 33 tokens at 34K, 2,112 keys each, took 25 ms a layer against 34 ms for flash plus the
+    logits (fp32, AVX2, one thread). The probabilities meet every KV head's values in one matmul; the blocks where
+    a row meets another head's values are computed and dropped (three KV heads: cheaper than three matmuls)."""
+    B, N, KV, D = values.shape
+    lse = logits.logsumexp(dim=1)  # (B, KV * R)
+    probs = (logits - lse[:, None]).exp_().to(values.dtype)
+    full = torch.bmm(probs.transpose(1, 2), values.reshape(B, N, KV * D))  # (B, KV * R, KV * D)
+    out = full.view(B, KV, -1, KV, D).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # (B, KV, R, D)
+    return out, lse.view(B, KV, -1)
+
+
+def gathered_key_mass(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Attention probability of each gathered key, summed over the query rows: logits (B, N, KV * R) from
+    `gathered_key_logits`, lse (B, KV, R) of the rows' whole attention; returns (B, N) fp32."""
+    return (logits - lse.reshape(lse.shape[0], 1, -1)).exp().sum(dim=-1)
 
 
 class AttentionEvidence:

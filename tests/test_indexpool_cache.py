@@ -277,6 +277,27 @@ def test_evidence_points_at_what_the_queries_attend_to():
     assert 0 < int(attended.sum()) < 120  # past the context: only sinks, selected pools and the window are seen
 
 
+def test_evidence_does_not_change_what_the_queries_compute():
+    """With evidence on, the far part is computed from the logits the evidence needs (not by the flash kernel):
+    the forwards give the same logits as without it, for a short forward selecting per block of queries (with a
+    padded last block) and for one-token steps."""
+    from model.indexpool_cache import AttentionEvidence
+
+    model = tiny_model(9)
+    prompt = prompts_for(14, [140])[0]
+    logits = []
+    for with_evidence in (False, True):
+        session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
+        session.prefill(prompt[:125], query_tail=False)
+        session.cache.evidence = AttentionEvidence(0, 140) if with_evidence else None
+        with torch.no_grad():
+            steps = [model(torch.tensor([prompt[125:130]]), 125, session.cache)]  # 5 queries, blocks of 2
+            steps += [model(torch.tensor([[prompt[p]]]), p, session.cache) for p in range(130, 140)]
+        assert session.cache.n_far > SETTINGS["topk"]  # far tokens were selected, not taken whole
+        logits.append(torch.cat([step[0] for step in steps]))
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("band", [3, 20])
 def test_evidence_leaves_out_the_local_band_before_the_query(band):
     """With a local band, a query's evidence is its evidence without one, less the keys in the band before it
