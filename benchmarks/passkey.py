@@ -67,8 +67,8 @@ def run(args) -> None:
     loaded = load_engine(args.model, dtype=args.dtype)
     tokenizer = loaded.tokenizer
     hay_ids = tokenizer.encode(haystack_text(args.haystack))
-    indexer = default_indexer(AttentionChoice(indexer=args.indexer, prune_index=args.prune_index), loaded)
-    for_segments = segment_indexer(AttentionChoice(indexer=args.indexer), loaded)
+    choice = AttentionChoice(indexer=args.indexer, prune_index=args.prune_index)
+    indexer, for_segments = default_indexer(choice, loaded), segment_indexer(choice, loaded)
     rng = random.Random(args.seed)
     print(f"model {loaded.name}, indexer {type(indexer).__name__}, {args.haystack} haystack of {len(hay_ids)} tokens, threads {torch.get_num_threads()}", flush=True)
     print(f"{'length':>8} {'mode':>9} {'accuracy':>9} {'trials':>6} {'prefill tok/s':>13}  hits per depth (5%..95%)")

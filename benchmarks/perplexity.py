@@ -77,8 +77,8 @@ def main() -> None:
     loaded = load_engine(args.model)
     settings = IndexPoolConfig(topk=args.topk, window=args.window, segment=args.segment,
                                segment_block=args.segment_block)
-    indexer = default_indexer(AttentionChoice(indexer=args.indexer, prune_index=args.prune_index), loaded)
-    for_segments = segment_indexer(AttentionChoice(indexer=args.indexer), loaded)
+    choice = AttentionChoice(indexer=args.indexer, prune_index=args.prune_index)
+    indexer, for_segments = default_indexer(choice, loaded), segment_indexer(choice, loaded)
     first_scored = settings.sinks + settings.topk + settings.window + settings.kpool
     print(f"model {loaded.name}, indexer {type(indexer).__name__}; scored: tokens from {first_scored} on; threads {torch.get_num_threads()}")
     print(f"{'length':>7} {'scored':>6} {'dense ppl':>9} {'indexpool ppl':>13} {'change':>7}")

@@ -58,14 +58,14 @@ def run_bench(model, contexts, prefill_length, decode_tokens, repeats, engines, 
 
 
 def _native_bf16() -> bool:
-    """Whether bf16 runs natively where the bench runs (a GPU, or a CPU with AVX512-BF16 or AMX). Elsewhere
+    """Whether bf16 runs natively where the bench runs: the engine's own choice for --dtype auto. Elsewhere
     transformers in bf16 is emulated: on an AVX2 EPYC it had not finished its figures after 20 minutes, where fp32
     took all of them in under 5."""
     import torch
 
-    from model.runtime import cpu_has_bf16
+    from model.runtime import default_device, resolve_dtype
 
-    return torch.cuda.is_available() or cpu_has_bf16()
+    return resolve_dtype("auto", default_device()) == torch.bfloat16
 
 
 def _ratios(results, contexts) -> dict:

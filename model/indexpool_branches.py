@@ -196,7 +196,8 @@ class IndexPoolBranches:
         the branch's window start or in the local band before its query are left out."""
         B, KV, group, D = q.shape
         scale = D**-0.5
-        far_mass = torch.zeros(far.shape) if far_k is None else gathered_key_mass(gathered_key_logits(q, far_k), lse) * self.far_valid
+        far_mass = torch.zeros(far.shape) if far_k is None else \
+            gathered_key_mass(gathered_key_logits(q, far_k), lse) * self.far_valid
         q_rows = q.transpose(0, 1).reshape(KV, B * group, D)
         # Keys in every branch's local band are left out below: not computed at all.
         limit = max(self.doc_window_start, min(self.prefix, int(self.positions.max()) - self.local_band + 1))
