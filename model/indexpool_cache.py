@@ -25,9 +25,10 @@ here is the CPU path and the reference.
 Selection. A forward of at most `query_tokens` tokens (a decode step, the last tokens of a prompt: the question)
 selects per block of `query_block` consecutive queries (their scores summed; default 1: per query). In a longer
 prefill segment each block of `segment_block` consecutive queries (default: the whole segment) shares one selection,
-scored with the block's mean index query: a per-query scan of every pool for thousands of queries would cost more
-than the attention it saves. Smaller blocks buy little perplexity for their prefill time (8K: +2.2% against dense
-with one selection per 2048-token segment, +2.0% with blocks of 256, which read 32K 10% slower; docs/benchmarks.md).
+from the summed scores of `segment_queries` of its queries (`_block_pools`): a per-query scan of every pool for
+thousands of queries would cost more than the attention it saves. Smaller blocks buy little perplexity for their
+prefill time (session 7, from the mean query: 8K +2.2% against dense with one selection per 2048-token segment,
++2.0% with blocks of 256, which read 32K 10% slower; docs/benchmarks.md).
 An optional second indexer (`segment_indexer`: `--indexer hybrid`), with a pooled index of its own, makes the
 shared selections (a segment's blocks, a forward read with one selection); the first one makes the per-query ones.
 """
@@ -63,7 +64,9 @@ class IndexPoolConfig:
     segment: int = 2048  # prefill tokens per forward; they share one far selection
     query_tokens: int = 64  # forwards of at most this many tokens select per block of query_block queries
     query_block: int = 1  # in such forwards, this many consecutive queries share one selection
-    segment_block: int = 2048  # in longer forwards, this many consecutive queries share one (mean-query) selection
+    segment_block: int = 2048  # in longer forwards, this many consecutive queries share one selection,
+    segment_queries: int = 32  # scored by this many of them (evenly spaced; `IndexPoolCache._block_pools`)
+    segment_candidates: int = 2048  # among the pools the block's mean query scores best, when there are more
     index_dtype: str = "bf16"  # pooled index storage: bf16, fp16 or fp8 (e4m3, one scale per pooled key)
     kv_storage: str = "auto"  # history K/V: bf16, int8, or auto (bf16 while it takes under a quarter of RAM)
     offload_dir: str | None = None  # keep history K/V in a memory-mapped file in this directory
@@ -86,6 +89,9 @@ class IndexPoolConfig:
         need(span <= context_length,
              f"sinks + topk + window + segment ({self.sinks} + {self.topk} + {self.window} + {self.segment}) must "
              f"fit in the model's trained context of {context_length} tokens (with a pool to spare)")
+        need(self.segment_queries >= 1, "segment queries must be >= 1")
+        need(self.segment_candidates >= self.topk // self.kpool,
+             f"segment candidates must be at least the pools selected (topk / kpool = {self.topk // self.kpool})")
         need(self.index_dtype in INDEX_DTYPES, f"index dtype must be one of {', '.join(INDEX_DTYPES)}")
         need(self.kv_storage in KV_STORAGE, f"kv storage must be one of {', '.join(KV_STORAGE)}")
         if self.offload_dir is not None:
@@ -361,15 +367,43 @@ class IndexPoolCache:
             (self.segment_indexer, self.segment_index)
         pooled = self.scored_pools(index, layer, first_pool, end_pool)
         index_q, weights = indexer.queries(layer, x, q)
-        if not self.per_query:  # one selection per block, from its mean index query
-            index_q, weights = (torch.stack([t[:, b : b + self.query_block].mean(dim=1) for b in range(0, T, self.query_block)], 1)
-                                for t in (index_q, weights))
-        scores = indexer.score(layer, index_q, weights, pooled)[0]  # (T or n_blocks, P)
         if self.per_query:
+            scores = indexer.score(layer, index_q, weights, pooled)[0]  # (T, P)
             scores = F.pad(scores, (0, 0, 0, -T % self.query_block)).view(n_blocks, -1, scores.shape[1]).sum(1)
-        pools = scores.topk(s.topk // s.kpool, dim=-1).indices.sort(dim=-1).values + first_pool
-        far = (pools[..., None] * s.kpool + self.pool_offsets).flatten(-2)
+            pools = scores.topk(s.topk // s.kpool, dim=-1).indices
+        else:
+            pools = self._block_pools(layer, indexer, index_q, weights, pooled)
+        far = ((pools.sort(dim=-1).values + first_pool)[..., None] * s.kpool + self.pool_offsets).flatten(-2)
         return torch.cat([self.fixed_positions.expand(n_blocks, -1), far], dim=-1)
+
+    def _block_pools(self, layer: int, indexer: Indexer, index_q: torch.Tensor, weights: torch.Tensor,
+                     pooled: torch.Tensor) -> torch.Tensor:
+        """The pools (n_blocks, topk // kpool) each block of a long forward shares, indexed into `pooled`.
+
+        Scoring every query of a block would cost more than the attention it saves, and the block's mean query
+        blurs the per-head softmax that lets a sharp head count (8K perplexity against dense: +2.1% from the mean
+        query, +1.2% from every query's scores summed, +1.6% from these 32 of 2,048). So a block's selection sums the
+        scores of `segment_queries` evenly spaced queries of it (its last one included), over the
+        `segment_candidates` pools its mean query scores best when there are more pools than that: the cost per
+        block then stays the same however long the history."""
+        s, T, P = self.settings, index_q.shape[1], pooled.shape[1]
+        starts = torch.arange(0, T, self.query_block, device=index_q.device)
+        sizes = (T - starts).clamp(max=self.query_block)
+        steps = torch.arange(min(s.segment_queries, self.query_block), device=index_q.device)
+        # From each block's last query back to its first (a short last block repeats some): (n_blocks, m).
+        picks = starts[:, None] + sizes[:, None] - 1 - (sizes[:, None] - 1) * steps // max(len(steps) - 1, 1)
+        candidates = None
+        if P > s.segment_candidates:
+            mean_q, mean_weights = (torch.stack([t[0, b : b + self.query_block].mean(dim=0)
+                                                 for b in starts.tolist()])[None] for t in (index_q, weights))
+            mean_scores = indexer.score(layer, mean_q, mean_weights, pooled)[0]  # (n_blocks, P)
+            candidates = mean_scores.topk(s.segment_candidates, dim=-1).indices
+            pooled = pooled[0][candidates]  # (n_blocks, C, key_dim)
+        else:
+            pooled = pooled.expand(len(starts), -1, -1)
+        scores = indexer.score(layer, index_q[0][picks], weights[0][picks], pooled).sum(dim=1)
+        pools = scores.topk(s.topk // s.kpool, dim=-1).indices
+        return pools if candidates is None else candidates.gather(-1, pools)
 
     def scored_pools(self, index: PooledIndexCache, layer: int, first_pool: int, end_pool: int) -> torch.Tensor:
         """The pooled keys [first_pool, end_pool) of `index` in the compute dtype, which the indexer's matmuls run
