@@ -81,10 +81,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """One query per sequence, q (B, H, 1, D), against k/v (B, KV, S, D); returns (B, H, D). The query heads of
-    each KV head become that head's query rows, (B, KV, H / KV, D): one pass over each KV head's keys instead of
-    the grouped-query path's one per query head. On a CPU with AVX512-BF16 but no AMX (Zen 4), a bf16 decode step
-    against 4,096 cached keys took 3.96 ms a layer grouped, 0.60 ms folded (docs/benchmarks.md). mask: additive,
-    broadcastable to (B, 1, 1, S)."""
+    each KV head become that head's query rows, (B, KV, H / KV, D), rather than going through the grouped-query
+    path (`enable_gqa`): on an AMD EPYC with AVX512-BF16 but no AMX, one layer of a bf16 decode step against 4,096
+    cached keys took 3.96 ms that way, 0.60 ms this way (docs/benchmarks.md). mask: additive, broadcastable to
+    (B, 1, 1, S)."""
     B, H, _, D = q.shape
     rows = q.view(B, k.shape[1], H // k.shape[1], D)
     return F.scaled_dot_product_attention(rows, k, v, attn_mask=mask).view(B, H, D)
