@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.decode_attention import decode_attention
+
 
 @dataclass
 class LlamaConfig:
@@ -79,17 +81,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """One query per sequence, q (B, H, 1, D), against k/v (B, KV, S, D); returns (B, H, D). The query heads of
-    each KV head become that head's query rows, (B, KV, H / KV, D), rather than going through the grouped-query
-    path (`enable_gqa`): on an AMD EPYC with AVX512-BF16 but no AMX, one layer of a bf16 decode step against 4,096
-    cached keys took 3.96 ms that way, 0.60 ms this way (docs/benchmarks.md). mask: additive, broadcastable to
-    (B, 1, 1, S)."""
-    B, H, _, D = q.shape
-    rows = q.view(B, k.shape[1], H // k.shape[1], D)
-    return F.scaled_dot_product_attention(rows, k, v, attn_mask=mask).view(B, H, D)
-
-
 class KVCache(nn.Module):
     """Dense attention over static K/V buffers, (batch, kv_heads, max_length, head_dim) per layer, filled left to
     right. The cache owns how a layer attends to its history, so other caches (sparse, offloaded) can take its
@@ -147,7 +138,8 @@ class KVCache(nn.Module):
         self.v[layer, :, :, self.start : self.end] = v.transpose(1, 2)
         keys, values = self.k[layer, :, :, : self.end], self.v[layer, :, :, : self.end]
         if T == 1:
-            return single_query_attention(q, keys, values, self.mask).reshape(B, 1, -1)
+            return decode_attention(q.view(B, self.n_kv_heads, H // self.n_kv_heads, -1), keys, values,
+                                    self.mask).reshape(B, 1, -1)
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, is_causal=self.mask is None,
                                            enable_gqa=self.n_kv_heads != H)
         return y.transpose(1, 2).reshape(B, T, -1)
@@ -211,7 +203,8 @@ class BatchKVCache(KVCache):
         self.k[layer, rows, :, self.slots] = qk[:, 0, H:]
         self.v[layer, rows, :, self.slots] = v[:, 0]
         keys, values = self.k[layer, :B, :, : self.end], self.v[layer, :B, :, : self.end]
-        return single_query_attention(q, keys, values, self.mask).reshape(B, 1, -1)
+        return decode_attention(q.view(B, self.n_kv_heads, H // self.n_kv_heads, -1), keys, values,
+                                self.mask).reshape(B, 1, -1)
 
 
 class Attention(nn.Module):

@@ -118,23 +118,3 @@ def test_section_batch_size_follows_lengths_and_memory():
     sparse = Session(model, 256, attention=IndexPoolConfig(kpool=4, topk=8, window=24, sinks=4, segment=16,
                                                            query_tokens=6))
     assert section_batch_size(sparse, lengths, 20, None) == 1
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("masked", [False, True])
-def test_single_query_attention_equals_grouped_query_attention(dtype, masked):
-    """The decode path's folded layout (query heads as rows of their KV head) against PyTorch's grouped-query
-    attention, on 3 sequences, 12 query heads over 4 KV heads, 37 keys, rows masked at different lengths."""
-    from model.llama import single_query_attention
-
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(shape, generator=generator).to(dtype) for shape in ((3, 12, 1, 16), (3, 4, 37, 16), (3, 4, 37, 16)))
-    mask = None
-    if masked:
-        hidden = torch.arange(37)[None, :] >= torch.tensor([37, 5, 20])[:, None]
-        mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))[:, None, None, :]
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
-    got = single_query_attention(q, k, v, mask)
-    assert got.shape == (3, 12, 16)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)

@@ -1,0 +1,310 @@
+/* One-query attention for CPU decode steps: each KV head's query rows against that head's cached keys and values.
+
+   Built on first use by kernels/decode_attention.py (cc -O3 -march=native) and called through ctypes; the torch
+   reference sits next to it there. Needs AVX-512. Every cached key and value is read from memory once per step for
+   all the query rows of its KV head. Two passes per head: scores, 16 keys at a time (their dot products reduced
+   together, not one horizontal sum per key), then softmax weights and the weighted sum of values, a block of keys
+   at a time so that the block stays in L1 while each query row uses it.
+   - bf16 caches (CPUs with AVX512-BF16): products of bf16 pairs summed in fp32 by vdpbf16ps, q . k exactly as fp32
+     arithmetic on the bf16 values would give it; the softmax weights are rounded to bf16 for the sum of values, as
+     torch's CPU flash attention does for bf16 inputs.
+   - fp32 caches: fp32 FMAs. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef __AVX512F__
+#error "the decode attention kernel needs AVX-512; the engine uses its torch path instead"
+#endif
+
+#define LANES 16        /* fp32 values per vector; also keys per block of scores */
+#define VALUE_BLOCK 64  /* keys per block of values (16 KB at head_dim 64) */
+#define MAX_CHUNKS 16   /* head_dim / LANES: head_dim up to 256 */
+#define MAX_ROWS 16     /* query heads per KV head */
+#define PREFETCH_AHEAD 64 /* rows, into L2: without it a DRAM-resident cache was read 40% slower (docs/benchmarks.md) */
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE void prefetch_row(const char *row, int bytes) {
+    for (int byte = 0; byte < bytes; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T2);
+}
+
+/* Lane i of the result is the sum of the 16 lanes of v[i]: pairs are interleaved and added, 8 + 4 + 2 + 2 steps. */
+INLINE __m512 sum_lanes16(const __m512 v[LANES]) {
+    __m512 pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: that lane's sums of v[4i..4i+3] */
+        __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++) /* 128-bit lanes 0+1 and 2+3 of quads[2i], then of quads[2i+1] */
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+/* exp(x) for x <= 0 (scores minus their maximum): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to
+   r^7 (relative error under 2e-7), times 2^n. Below -87 (masked keys: -inf) the weight is exactly 0. */
+INLINE __m512 exp_nonpositive(__m512 x) {
+    const __m512 floor_x = _mm512_set1_ps(-87.0f);
+    __mmask16 live = _mm512_cmp_ps_mask(x, floor_x, _CMP_GE_OQ);
+    x = _mm512_max_ps(x, floor_x);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x); /* ln2 split in two */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+    static const float taylor[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    __m512 p = _mm512_set1_ps(taylor[0]);
+    for (int i = 1; i < 8; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(taylor[i]));
+    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+/* Stores one block of 16 scores (lanes past `valid` set to -inf, so that they weigh 0). */
+INLINE void store_scores(float *scores, __m512 dots, float scale, const float *mask, __mmask16 valid) {
+    __m512 s = _mm512_mul_ps(dots, _mm512_set1_ps(scale));
+    if (mask) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(valid, mask));
+    _mm512_storeu_ps(scores, _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), s));
+}
+
+/* Scores (rows x padded, padded a multiple of LANES) become softmax weights in place; each row's sum goes to total
+   and its log-sum-exp to lse (when not NULL). A row whose keys are all masked gets weights 0 (so the output 0)
+   and a log-sum-exp of -inf. */
+static void softmax_rows(float *scores, int64_t padded, int rows, float *total, float *lse) {
+    for (int r = 0; r < rows; r++) {
+        float *s = scores + r * padded;
+        __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < padded; j += LANES) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+        float top1 = _mm512_reduce_max_ps(top);
+        __m512 shift = _mm512_set1_ps(top1 == -INFINITY ? 0.0f : top1);
+        for (int64_t j = 0; j < padded; j += LANES) {
+            __m512 w = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), shift));
+            _mm512_storeu_ps(s + j, w);
+            sum = _mm512_add_ps(sum, w);
+        }
+        total[r] = _mm512_reduce_add_ps(sum);
+        if (lse) lse[r] = top1 == -INFINITY ? -INFINITY : top1 + logf(total[r]);
+    }
+}
+
+/* One (sequence, KV head) of an fp32 cache. q: rows x dim fp32; keys/values: `length` rows `stride` floats apart;
+   mask: additive, `length` values, or NULL; scores: rows x padded scratch; out: rows x dim fp32. */
+INLINE void head_f32(const float *q, const float *keys, const float *values, int64_t stride, int64_t length,
+                     int chunks, int rows, float scale, const float *mask, float *scores, int64_t padded,
+                     float *out, float *lse) {
+    __m512 partial[LANES], acc[MAX_CHUNKS], odd[MAX_CHUNKS];
+    float total[MAX_ROWS];
+    for (int64_t j0 = 0; j0 < length; j0 += LANES) {
+        int n = length - j0 < LANES ? (int)(length - j0) : LANES;
+        for (int j = 0; j < n; j++) prefetch_row((const char *)(keys + (j0 + j + PREFETCH_AHEAD) * stride), chunks * 64);
+        for (int r = 0; r < rows; r++) {
+            for (int j = 0; j < LANES; j++) {
+                __m512 dot = _mm512_setzero_ps();
+                if (j < n)
+                    for (int c = 0; c < chunks; c++)
+                        dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + (r * chunks + c) * LANES),
+                                              _mm512_loadu_ps(keys + (j0 + j) * stride + c * LANES), dot);
+                partial[j] = dot;
+            }
+            store_scores(scores + r * padded + j0, sum_lanes16(partial), scale, mask ? mask + j0 : NULL,
+                         (__mmask16)((1u << n) - 1));
+        }
+    }
+    softmax_rows(scores, padded, rows, total, lse);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + (r * chunks + c) * LANES, _mm512_setzero_ps());
+    for (int64_t j0 = 0; j0 < length; j0 += VALUE_BLOCK) {
+        int n = length - j0 < VALUE_BLOCK ? (int)(length - j0) : VALUE_BLOCK;
+        for (int j = 0; j < n; j++)
+            prefetch_row((const char *)(values + (j0 + j + PREFETCH_AHEAD) * stride), chunks * 64);
+        for (int r = 0; r < rows; r++) {
+            float *o = out + r * chunks * LANES;
+            const float *w = scores + r * padded + j0;
+            for (int c = 0; c < chunks; c++) acc[c] = _mm512_loadu_ps(o + c * LANES), odd[c] = _mm512_setzero_ps();
+            int j = 0;
+            for (; j + 1 < n; j += 2) /* two chains of sums: one FMA's latency would otherwise bound the loop */
+                for (int c = 0; c < chunks; c++) {
+                    acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(values + (j0 + j) * stride + c * LANES), acc[c]);
+                    odd[c] = _mm512_fmadd_ps(_mm512_set1_ps(w[j + 1]),
+                                             _mm512_loadu_ps(values + (j0 + j + 1) * stride + c * LANES), odd[c]);
+                }
+            if (j < n)
+                for (int c = 0; c < chunks; c++)
+                    acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(values + (j0 + j) * stride + c * LANES), acc[c]);
+            for (int c = 0; c < chunks; c++) _mm512_storeu_ps(o + c * LANES, _mm512_add_ps(acc[c], odd[c]));
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        __m512 inverse = _mm512_set1_ps(total[r] > 0.0f ? 1.0f / total[r] : 0.0f);
+        for (int c = 0; c < chunks; c++)
+            _mm512_storeu_ps(out + (r * chunks + c) * LANES, _mm512_mul_ps(_mm512_loadu_ps(out + (r * chunks + c) * LANES), inverse));
+    }
+}
+
+#ifdef __AVX512BF16__
+/* One (sequence, KV head) of a bf16 cache; as head_f32, with q, keys and values bf16 (uint16 bit patterns) and
+   `pairs` = dim / 32 vectors of bf16 per row. */
+INLINE void head_bf16(const uint16_t *q, const uint16_t *keys, const uint16_t *values, int64_t stride,
+                      int64_t length, int pairs, int rows, float scale, const float *mask, float *scores,
+                      uint16_t *weights, int64_t padded, float *out, float *lse) {
+    __m512i interleaved[VALUE_BLOCK / 2][MAX_CHUNKS]; /* two keys' values, element by element (32 KB) */
+    __m512 partial[LANES], acc[MAX_CHUNKS];
+    float total[MAX_ROWS];
+    for (int64_t j0 = 0; j0 < length; j0 += LANES) {
+        int n = length - j0 < LANES ? (int)(length - j0) : LANES;
+        for (int j = 0; j < n; j++) prefetch_row((const char *)(keys + (j0 + j + PREFETCH_AHEAD) * stride), pairs * 64);
+        for (int r = 0; r < rows; r++) {
+            for (int j = 0; j < LANES; j++) {
+                __m512 dot = _mm512_setzero_ps();
+                if (j < n)
+                    for (int c = 0; c < pairs; c++)
+                        dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(q + (r * pairs + c) * 32),
+                                               (__m512bh)_mm512_loadu_si512(keys + (j0 + j) * stride + c * 32));
+                partial[j] = dot;
+            }
+            store_scores(scores + r * padded + j0, sum_lanes16(partial), scale, mask ? mask + j0 : NULL,
+                         (__mmask16)((1u << n) - 1));
+        }
+    }
+    softmax_rows(scores, padded, rows, total, lse);
+    for (int r = 0; r < rows; r++) /* weights to bf16; padded lanes are 0, so an odd length's last pair is whole */
+        for (int64_t j = 0; j < padded; j += LANES)
+            _mm256_storeu_si256((__m256i *)(weights + r * padded + j),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + r * padded + j)));
+    memset(out, 0, sizeof(float) * rows * pairs * 32);
+    for (int64_t j0 = 0; j0 < length; j0 += VALUE_BLOCK) {
+        int n = length - j0 < VALUE_BLOCK ? (int)(length - j0) : VALUE_BLOCK;
+        for (int j = 0; j < n; j += 2) { /* lo/hi: each 128-bit lane's first/last 4 elements of both rows */
+            prefetch_row((const char *)(values + (j0 + j + PREFETCH_AHEAD) * stride), pairs * 64);
+            prefetch_row((const char *)(values + (j0 + j + 1 + PREFETCH_AHEAD) * stride), pairs * 64);
+            for (int c = 0; c < pairs; c++) {
+                __m512i even = _mm512_loadu_si512(values + (j0 + j) * stride + c * 32);
+                __m512i odd = j + 1 < n ? _mm512_loadu_si512(values + (j0 + j + 1) * stride + c * 32)
+                                        : _mm512_setzero_si512();
+                interleaved[j / 2][2 * c] = _mm512_unpacklo_epi16(even, odd);
+                interleaved[j / 2][2 * c + 1] = _mm512_unpackhi_epi16(even, odd);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const uint16_t *w = weights + r * padded + j0;
+            for (int c = 0; c < 2 * pairs; c++) acc[c] = _mm512_setzero_ps();
+            for (int j = 0; j < n; j += 2) {
+                uint32_t two;
+                memcpy(&two, w + j, sizeof two);
+                __m512bh weight = (__m512bh)_mm512_set1_epi32((int)two);
+                for (int c = 0; c < 2 * pairs; c++)
+                    acc[c] = _mm512_dpbf16_ps(acc[c], weight, (__m512bh)interleaved[j / 2][c]);
+            }
+            /* acc[2c] lane 4L+i holds element 32c + 8L + i, acc[2c+1] element 32c + 8L + 4 + i */
+            float *o = out + r * pairs * 32, lanes[2 * LANES];
+            for (int c = 0; c < pairs; c++) {
+                _mm512_storeu_ps(lanes, acc[2 * c]);
+                _mm512_storeu_ps(lanes + LANES, acc[2 * c + 1]);
+                for (int lane = 0; lane < 4; lane++)
+                    for (int i = 0; i < 4; i++) {
+                        o[c * 32 + 8 * lane + i] += lanes[4 * lane + i];
+                        o[c * 32 + 8 * lane + 4 + i] += lanes[LANES + 4 * lane + i];
+                    }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float inverse = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
+        for (int d = 0; d < pairs * 32; d++) out[r * pairs * 32 + d] *= inverse;
+    }
+}
+#endif
+
+/* Head functions with their loop bounds fixed for the head sizes models use (64, 128), and one for any size. */
+#define F32_VARIANT(NAME, CHUNKS)                                                                                  \
+    static void NAME(const float *q, const float *k, const float *v, int64_t stride, int64_t length, int chunks, \
+                     int rows, float scale, const float *mask, float *scores, int64_t padded, float *out,        \
+                     float *lse) {                                                                               \
+        (void)chunks;                                                                                            \
+        head_f32(q, k, v, stride, length, CHUNKS, rows, scale, mask, scores, padded, out, lse);                  \
+    }
+F32_VARIANT(head_f32_d64, 4)
+F32_VARIANT(head_f32_d128, 8)
+F32_VARIANT(head_f32_any, chunks)
+
+#ifdef __AVX512BF16__
+#define BF16_VARIANT(NAME, PAIRS)                                                                                  \
+    static void NAME(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t stride, int64_t length,   \
+                     int pairs, int rows, float scale, const float *mask, float *scores, uint16_t *weights,      \
+                     int64_t padded, float *out, float *lse) {                                                   \
+        (void)pairs;                                                                                             \
+        head_bf16(q, k, v, stride, length, PAIRS, rows, scale, mask, scores, weights, padded, out, lse);         \
+    }
+BF16_VARIANT(head_bf16_d64, 2)
+BF16_VARIANT(head_bf16_d128, 4)
+BF16_VARIANT(head_bf16_any, pairs)
+#endif
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Whether the kernel takes a cache of this element size (2: bf16, 4: fp32) and head size. */
+int decode_attention_supports(int element_size, int dim) {
+    if (element_size == 4) return dim % LANES == 0 && dim / LANES <= MAX_CHUNKS;
+#ifdef __AVX512BF16__
+    if (element_size == 2) return dim % 32 == 0 && dim / LANES <= MAX_CHUNKS;
+#endif
+    return 0;
+}
+
+/* q: (batch, kv_heads, rows, dim) contiguous; k, v: (batch, kv_heads, length, dim) with the given element strides
+   for batch, head and token (dim contiguous, the same strides for both); mask: (batch, length) fp32 or NULL; out
+   like q; lse: (batch, kv_heads, rows) fp32, the log-sum-exp of the scaled, masked logits, or NULL. Returns 0, or
+   -1 for what it does not take (the caller then uses torch). */
+int decode_attention(const void *q, const void *k, const void *v, const float *mask, void *out, float *lse,
+                     int element_size, int batch, int kv_heads, int rows, int dim, int64_t length,
+                     int64_t batch_stride, int64_t head_stride, int64_t token_stride, float scale) {
+    if (!decode_attention_supports(element_size, dim) || rows < 1 || rows > MAX_ROWS || length < 0) return -1;
+    int64_t padded = (length + LANES - 1) / LANES * LANES;
+    float *scores = malloc(sizeof(float) * rows * (padded + LANES));
+    uint16_t *weights = malloc(sizeof(uint16_t) * rows * (padded + LANES));
+    if (!scores || !weights) {
+        free(scores);
+        free(weights);
+        return -1;
+    }
+    float result[MAX_ROWS * MAX_CHUNKS * LANES];
+    for (int b = 0; b < batch; b++) {
+        for (int h = 0; h < kv_heads; h++) {
+            int64_t head = (int64_t)b * batch_stride + (int64_t)h * head_stride;
+            int64_t first = ((int64_t)b * kv_heads + h) * rows; /* the head's first query row */
+            const float *head_mask = mask ? mask + (int64_t)b * length : NULL;
+            float *head_lse = lse ? lse + first : NULL;
+            if (element_size == 4) {
+                void (*f32)(const float *, const float *, const float *, int64_t, int64_t, int, int, float,
+                            const float *, float *, int64_t, float *, float *) =
+                    dim == 64 ? head_f32_d64 : dim == 128 ? head_f32_d128 : head_f32_any;
+                f32((const float *)q + first * dim, (const float *)k + head, (const float *)v + head, token_stride,
+                    length, dim / LANES, rows, scale, head_mask, scores, padded, (float *)out + first * dim,
+                    head_lse);
+                continue;
+            }
+#ifdef __AVX512BF16__
+            void (*bf16)(const uint16_t *, const uint16_t *, const uint16_t *, int64_t, int64_t, int, int, float,
+                         const float *, float *, uint16_t *, int64_t, float *, float *) =
+                dim == 64 ? head_bf16_d64 : dim == 128 ? head_bf16_d128 : head_bf16_any;
+            bf16((const uint16_t *)q + first * dim, (const uint16_t *)k + head, (const uint16_t *)v + head,
+                 token_stride, length, dim / 32, rows, scale, head_mask, scores, weights, padded, result, head_lse);
+            for (int i = 0; i < rows * dim; i++) ((uint16_t *)out)[first * dim + i] = float_to_bf16(result[i]);
+#endif
+        }
+    }
+    free(scores);
+    free(weights);
+    return 0;
+}

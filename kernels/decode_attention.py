@@ -1,0 +1,193 @@
+"""One-query attention for decode steps on the CPU: a small C kernel (`decode_attention.c`) next to its torch
+reference.
+
+A decode step's attention reads the whole K/V cache for one query per sequence. torch's SDPA read a bf16 cache at
+about a quarter of the memory bandwidth one core has on the AVX512-BF16 CPU measured, and at 4K context that was
+half of a decode step (docs/benchmarks.md). The C kernel reads each cached key and value once for all the query
+heads of its KV head. It needs AVX-512 (and AVX512-BF16 for bf16 caches); it is compiled on first use with the
+system's C compiler (`$CC`, else `cc`) for this CPU (`-march=native`), into the indexpool cache directory, and
+loaded with ctypes: no build step at install. Without a compiler or those instructions, on GPUs, or with
+INDEXPOOL_KERNELS=torch, the torch reference runs instead; `indexpool info` says which.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import BACKEND_VARIABLE
+
+SOURCE = Path(__file__).with_name("decode_attention.c")
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
+MAX_ROWS = 16  # query heads per KV head, as in the C source
+
+
+def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of R query rows per KV head, q (B, KV, R, D), against k/v (B, KV, S, D); returns (B, KV, R, D).
+    A decode step passes each KV head's query heads as its rows rather than going through the grouped-query path
+    (`enable_gqa`): on an AMD EPYC with AVX512-BF16 but no AMX, one layer of a bf16 decode step against 4,096 cached
+    keys took 3.96 ms that way, 0.60 ms this way (docs/benchmarks.md). mask: additive, broadcastable to
+    (B, 1, 1, S)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's feature flags where the OS lists them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# Run in a child process on a freshly built library before it is used: a VM can advertise instructions it then
+# faults on (llama.cpp's native build died of an illegal instruction on one), and that must cost a fallback to torch,
+# not the process. Uniform keys make the expected output the mean of the values; lse = log(keys) + the one logit.
+SELF_TEST = """
+import ctypes, struct, sys
+lib = ctypes.CDLL(sys.argv[1])
+lib.decode_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_float]
+for size, code in ((4, "f"), (2, "H")):
+    dim, keys = 32, 37
+    if not lib.decode_attention_supports(size, dim):
+        continue
+    pack = (lambda xs: struct.pack(f"{len(xs)}f", *xs)) if size == 4 else (
+        lambda xs: struct.pack(f"{len(xs)}H", *(struct.unpack("I", struct.pack("f", x))[0] >> 16 for x in xs)))
+    q, k = pack([0.5] * 2 * dim), pack([0.25] * keys * dim)
+    v = pack([float(j % 4) for j in range(keys) for _ in range(dim)])
+    out, lse = ctypes.create_string_buffer(2 * dim * size), (ctypes.c_float * 2)()
+    buffers = [ctypes.create_string_buffer(b) for b in (q, k, v)]
+    status = lib.decode_attention(*buffers[:2], buffers[2], None, out, lse, size, 1, 1, 2, dim, keys,
+                                  keys * dim, keys * dim, dim, dim ** -0.5)
+    raw = out.raw
+    got = struct.unpack(f"{2 * dim}f", raw) if size == 4 else [
+        struct.unpack("f", struct.pack("I", h << 16))[0] for h in struct.unpack(f"{2 * dim}H", raw)]
+    mean = sum(j % 4 for j in range(keys)) / keys
+    logit = 0.5 * 0.25 * dim * dim ** -0.5
+    expected_lse = logit + __import__("math").log(keys)
+    if status != 0 or any(abs(x - mean) > 1e-2 for x in got) or any(abs(x - expected_lse) > 1e-4 for x in lse):
+        sys.exit(f"wrong result (element size {size})")
+"""
+
+
+@functools.cache
+def native_library() -> tuple[ctypes.CDLL | None, str]:
+    """The compiled kernel and a line saying where it came from, or (None, why not). A build that fails (no
+    compiler, no AVX-512, a self-test that faults) is remembered next to where the library would be, and not
+    retried for this source, compiler and CPU."""
+    from model.tensor_cache import default_cache_dir
+
+    compiler = os.environ.get("CC", "cc")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join((compiler, *FLAGS)).encode(), _cpu_identity().encode()]))
+    directory = default_cache_dir("kernels")
+    path = directory / f"decode_attention-{key.hexdigest()[:16]}.so"
+    failed = path.with_suffix(".failed")
+    if not path.exists():
+        if failed.exists():
+            return None, failed.read_text()
+        reason = _build(compiler, directory, path)
+        if reason is not None:
+            try:
+                failed.write_text(reason)  # a few bytes: a torn write only costs a retry
+            except OSError:
+                pass
+            return None, reason
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as error:
+        return None, f"torch (the C kernel did not load: {error})"
+    library.decode_attention.restype = ctypes.c_int
+    library.decode_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_int64] * 4 + [
+        ctypes.c_float]
+    library.decode_attention_supports.restype = ctypes.c_int
+    library.decode_attention_supports.argtypes = [ctypes.c_int, ctypes.c_int]
+    return library, f"C kernel ({path})"
+
+
+def _build(compiler: str, directory: Path, path: Path) -> str | None:
+    """Compiles and self-tests the library aside, then renames it to `path` (atomic); returns why not, or None."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory) as scratch:
+            built = Path(scratch) / path.name
+            compiled = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
+                                      timeout=120)
+            if compiled.returncode != 0:
+                lines = compiled.stderr.decode(errors="replace").strip().splitlines()
+                error = next((line for line in lines if "error" in line), lines[-1] if lines else "no output")
+                return f"torch (the C kernel did not build: {error.strip()})"
+            tested = subprocess.run([sys.executable, "-c", SELF_TEST, str(built)], capture_output=True, timeout=60)
+            if tested.returncode != 0:
+                lines = tested.stderr.decode(errors="replace").strip().splitlines() or [f"exit {tested.returncode}"]
+                return f"torch (the C kernel failed its self-test: {lines[-1]})"
+            os.replace(built, path)
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"torch (the C kernel did not build: {error})"
+    return None
+
+
+def decode_attention_path(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> str:
+    """Which code runs a decode step's attention over a cache of this dtype and head size, and why."""
+    if torch.device(device).type != "cpu":
+        return "torch (the C kernel is for CPUs)"
+    if os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() == "torch":
+        return f"torch ({BACKEND_VARIABLE}=torch)"
+    library, origin = native_library()
+    if library is None:
+        return origin
+    if not _supports(dtype, head_dim):
+        return f"torch (the C kernel does not take {str(dtype).removeprefix('torch.')} at head size {head_dim} on this CPU)"
+    return origin
+
+
+@functools.cache
+def _supports(dtype: torch.dtype, head_dim: int) -> bool:
+    library = native_library()[0]
+    sizes = {torch.bfloat16: 2, torch.float32: 4}
+    return library is not None and dtype in sizes and bool(library.decode_attention_supports(sizes[dtype], head_dim))
+
+
+def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                     return_lse: bool = False):
+    """`decode_attention_reference` by the C kernel, with return_lse also the fp32 log-sum-exp (B, KV, R) of the
+    scaled, masked logits; None where the kernel does not run (not a CPU, INDEXPOOL_KERNELS=torch, not built, more
+    than 16 rows per KV head, a dtype or head size it does not take, a mask that varies by head or row)."""
+    B, KV, R, D = q.shape
+    S = k.shape[2]
+    if (q.device.type != "cpu" or os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() == "torch"
+            or not _supports(q.dtype, D) or k.dtype != q.dtype or v.dtype != q.dtype or R > MAX_ROWS
+            or k.stride() != v.stride() or k.stride(-1) != 1 or k.shape != v.shape or k.shape[:2] != (B, KV)
+            or (mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1))):
+        return None
+    q = q.contiguous()
+    out = torch.empty(B, KV, R, D, dtype=q.dtype)
+    lse = torch.empty(B, KV, R) if return_lse else None
+    rows_mask = None if mask is None else mask.expand(B, 1, 1, S).reshape(B, S).float().contiguous()
+    status = native_library()[0].decode_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), None if rows_mask is None else rows_mask.data_ptr(),
+        out.data_ptr(), None if lse is None else lse.data_ptr(), q.element_size(), B, KV, R, D, S, k.stride(0),
+        k.stride(1), k.stride(2), D**-0.5)
+    if status != 0:  # a scratch allocation failed
+        return None
+    return (out, lse) if return_lse else out
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """R query rows per KV head, q (B, KV, R, D), against k/v (B, KV, S, D) -> (B, KV, R, D); mask additive,
+    broadcastable to (B, 1, 1, S). The C kernel where it runs, else the torch reference."""
+    out = native_attention(q, k, v, mask)
+    return decode_attention_reference(q, k, v, mask) if out is None else out

@@ -1,0 +1,206 @@
+"""Decode attention (kernels/decode_attention.py): the torch reference against PyTorch's grouped-query attention, and
+the C kernel against exact attention on awkward shapes (lengths off the 16- and 64-key blocks, one key, masked
+rows, head sizes the kernel specialises and others it falls back on), plus its fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import decode_attention as decode
+
+# (batch, query heads, KV heads, keys, head size, per-sequence visible lengths or None)
+SHAPES = [
+    (1, 9, 3, 4096, 64, None),  # the default model at 4K
+    (3, 12, 4, 37, 64, [37, 5, 20]),  # a batch of rows at their own lengths
+    (2, 8, 8, 1, 128, None),  # one key, one query row per KV head
+    (1, 16, 1, 65, 32, None),  # 16 rows (the most the kernel takes), head size 32
+    (2, 6, 2, 130, 96, [130, 129]),  # head size 96: the kernel's general path
+    (1, 4, 2, 17, 80, None),  # head size 80: bf16 needs a multiple of 32 (torch), fp32 a multiple of 16
+    (1, 34, 2, 20, 64, None),  # 17 rows per KV head: more than the kernel takes (torch)
+]
+
+
+def _inputs(batch, heads, kv_heads, keys, dim, visible, dtype):
+    """q as each KV head's query rows (batch, kv_heads, heads / kv_heads, dim), and k/v as views of a longer cache
+    whose unused tail is NaN (a read past `keys` would show)."""
+    generator = torch.Generator().manual_seed(keys * 7 + dim)
+    q = torch.randn(batch, kv_heads, heads // kv_heads, dim, generator=generator).to(dtype)
+    store = torch.full((2, batch, kv_heads, keys + 40, dim), float("nan"), dtype=dtype)
+    store[:, :, :, :keys] = torch.randn(2, batch, kv_heads, keys, dim, generator=generator).to(dtype)
+    mask = None
+    if visible is not None:
+        hidden = torch.arange(keys)[None, :] >= torch.tensor(visible)[:, None]
+        mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))[:, None, None, :]
+    return q, store[0, :, :, :keys], store[1, :, :, :keys], mask
+
+
+def _exact(q, k, v, mask, return_lse=False):
+    """Attention in fp64 on the same (rounded) inputs, and the log-sum-exp of its logits."""
+    logits = q.double() @ k.double().transpose(-1, -2) * q.shape[-1] ** -0.5
+    if mask is not None:
+        logits = logits + mask.double()
+    out = logits.softmax(-1) @ v.double()
+    return (out, logits.logsumexp(-1)) if return_lse else out
+
+
+def _require_kernel():
+    library, origin = decode.native_library()
+    if library is None:
+        pytest.skip(f"the C decode-attention kernel is not available here: {origin}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_reference_equals_grouped_query_attention(dtype, masked):
+    """The torch reference's folded layout (query heads as rows of their KV head) against PyTorch's grouped-query
+    attention, on 3 sequences, 12 query heads over 4 KV heads, 37 keys, rows masked at different lengths."""
+    q, k, v, mask = _inputs(3, 12, 4, 37, 16, [37, 5, 20] if masked else None, dtype)
+    heads = q.reshape(3, 12, 1, 16)  # query head h is row h % 3 of KV head h // 3
+    expected = torch.nn.functional.scaled_dot_product_attention(heads, k, v, attn_mask=mask, enable_gqa=True)
+    got = decode.decode_attention_reference(q, k, v, mask)
+    assert got.shape == (3, 4, 3, 16)
+    expected = expected.view(got.shape)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + ("-masked" if s[5] else ""))
+def test_kernel_equals_exact_attention(shape, dtype):
+    """fp32: within 1e-6 of fp64 attention (fp32 sums over at most 4,096 keys; exp to 2e-7 relative). bf16: the
+    kernel rounds the softmax weights and the output to bf16 (each within 2^-9 relative), so its error is bounded by
+    2^-8 of the largest value plus 2^-8 of the largest output (q . k is exact: bf16 products summed in fp32); and it
+    is no further from exact than torch's bf16 attention plus one output rounding."""
+    _require_kernel()
+    q, k, v, mask = _inputs(*shape, dtype)
+    exact = _exact(q, k, v, mask)
+    got = decode.decode_attention(q, k, v, mask)
+    assert got.shape == exact.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, atol=1e-6, rtol=0)
+    else:
+        error = (got.double() - exact).abs().max().item()
+        assert error <= 2**-8 * (v.float().abs().max() + exact.abs().max()).item()
+        torch_error = (decode.decode_attention_reference(q, k, v, mask).double() - exact).abs().max().item()
+        assert error <= torch_error + 2**-9 * exact.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_log_sum_exp(dtype):
+    """With return_lse the kernel also gives the log-sum-exp of the scaled, masked logits (fp32 arithmetic on the
+    rounded inputs: within 1e-5), which the IndexPool cache merges its window and far parts by."""
+    _require_kernel()
+    q, k, v, mask = _inputs(3, 12, 4, 137, 64, [137, 5, 70], dtype)
+    out, lse = decode.native_attention(q, k, v, mask, return_lse=True)
+    exact_out, exact_lse = _exact(q, k, v, mask, return_lse=True)
+    assert lse.shape == (3, 4, 3) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), exact_lse, atol=1e-5, rtol=0)
+    assert torch.equal(out, decode.decode_attention(q, k, v, mask))
+
+
+def test_kernel_runs_where_it_says_it_does():
+    """The default model's shapes (bf16 where the CPU has AVX512-BF16, fp32) go to the kernel, not the reference."""
+    _require_kernel()
+    assert decode.decode_attention_path("cpu", torch.float32, 64) == decode.native_library()[1]
+    assert "does not take" in decode.decode_attention_path("cpu", torch.float16, 64)
+    assert decode.decode_attention_path("cuda", torch.bfloat16, 64).startswith("torch")
+
+
+def test_every_key_masked_gives_zeros():
+    """A sequence that sees no key gets a zero output from the kernel (torch's softmax would give NaN)."""
+    _require_kernel()
+    q, k, v, _ = _inputs(2, 4, 2, 21, 64, None, torch.float32)
+    mask = torch.zeros(2, 1, 1, 21)
+    mask[1] = float("-inf")
+    got = decode.decode_attention(q, k, v, mask)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    torch.testing.assert_close(got[0].double(), _exact(q[:1], k[:1], v[:1], None)[0], atol=1e-6, rtol=0)
+    assert decode.native_attention(q, k, v, mask, return_lse=True)[1][1].eq(float("-inf")).all()
+
+
+def test_switch_to_torch(monkeypatch):
+    """INDEXPOOL_KERNELS=torch runs the reference: the same values as the SDPA path, bit for bit."""
+    q, k, v, mask = _inputs(3, 12, 4, 37, 64, [37, 5, 20], torch.float32)
+    monkeypatch.setenv("INDEXPOOL_KERNELS", "torch")
+    assert decode.decode_attention_path("cpu", torch.float32, 64) == "torch (INDEXPOOL_KERNELS=torch)"
+    assert torch.equal(decode.decode_attention(q, k, v, mask), decode.decode_attention_reference(q, k, v, mask))
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """An empty cache directory and no built kernel; the real one is found again afterwards."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    decode.native_library.cache_clear()
+    decode._supports.cache_clear()
+    yield tmp_path
+    decode.native_library.cache_clear()
+    decode._supports.cache_clear()
+
+
+def test_without_a_compiler_torch_runs(fresh_build, monkeypatch):
+    monkeypatch.setenv("CC", str(fresh_build / "no-such-cc"))
+    library, origin = decode.native_library()
+    assert library is None and origin.startswith("torch (the C kernel did not build:")
+    assert decode.decode_attention_path("cpu", torch.bfloat16, 64) == origin
+    q, k, v, mask = _inputs(3, 12, 4, 37, 64, [37, 5, 20], torch.float32)
+    assert torch.equal(decode.decode_attention(q, k, v, mask), decode.decode_attention_reference(q, k, v, mask))
+    kernels_dir = fresh_build / "indexpool" / "kernels"
+    assert not list(kernels_dir.glob("*.so")) and [p.suffix for p in kernels_dir.iterdir()] == [".failed"]
+    decode.native_library.cache_clear()  # a later run does not try again
+    monkeypatch.setattr(decode, "_build", lambda *args: pytest.fail("rebuilt after a failed build"))
+    assert decode.native_library() == (None, origin)
+
+
+def test_a_library_that_faults_is_not_used(fresh_build, monkeypatch):
+    """A library that crashes (as one with an instruction the CPU faults on would) fails its self-test in a child
+    process: this process goes on with torch."""
+    fake = fresh_build / "fake-cc"
+    fake.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done\n'
+                    "printf '#include <stdlib.h>\\nint decode_attention_supports(int a, int b) { return 1; }\\n"
+                    "int decode_attention(void) { abort(); }\\n' > \"$out.c\"\n"
+                    'exec cc -shared -fPIC "$out.c" -o "$out"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    library, origin = decode.native_library()
+    assert library is None and origin.startswith("torch (the C kernel failed its self-test:"), origin
+    assert not list((fresh_build / "indexpool" / "kernels").glob("*.so"))
+
+
+def test_build_lands_in_the_cache_directory(fresh_build):
+    library, origin = decode.native_library()
+    if library is None:
+        pytest.skip(f"the C decode-attention kernel does not build here: {origin}")
+    built = list((fresh_build / "indexpool" / "kernels").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so" and str(built[0]) in origin
+
+
+@pytest.mark.parametrize("attention", ["dense", "indexpool"])
+def test_engine_decodes_the_same_through_the_kernel(attention, monkeypatch):
+    """A tiny fp32 model (head size 16, two query rows per KV head) read past its context: each prefill and decode
+    step's logits through the C kernel (dense decode steps; IndexPool's window and far parts of forwards with at
+    most 16 query rows) equal those of the torch path within 1e-5."""
+    _require_kernel()
+    from dataclasses import replace
+
+    from model.generate import Session
+    from model.indexpool_cache import IndexPoolConfig
+    from model.llama import Transformer
+    from tests.test_indexpool_cache import CONFIG, SETTINGS, prompts_for
+
+    config = replace(CONFIG, head_dim=16)
+    torch.manual_seed(3)
+    model = Transformer(config).eval()
+    prompt = prompts_for(5, [150 if attention == "indexpool" else 50])[0]
+
+    def logits() -> torch.Tensor:
+        session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS) if attention == "indexpool" else None)
+        steps, tokens = [session.prefill(prompt)], list(prompt)
+        for _ in range(8):
+            tokens.append(int(steps[-1].argmax()))
+            steps.append(session.prefill(tokens))
+        return torch.cat(steps)
+
+    native = logits()
+    monkeypatch.setenv("INDEXPOOL_KERNELS", "torch")
+    torch.testing.assert_close(native, logits(), atol=1e-5, rtol=0)
