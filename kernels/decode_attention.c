@@ -93,106 +93,169 @@ static void softmax_rows(float *scores, int64_t padded, int rows, float *total, 
     }
 }
 
-/* One (sequence, KV head) of an fp32 cache. q: rows x dim fp32; keys/values: `length` rows `stride` floats apart;
-   mask: additive, `length` values, or NULL; scores: rows x padded scratch; out: rows x dim fp32. */
-INLINE void head_f32(const float *q, const float *keys, const float *values, int64_t stride, int64_t length,
-                     int chunks, int rows, float scale, const float *mask, float *scores, int64_t padded,
-                     float *out, float *lse) {
-    __m512 partial[LANES], acc[MAX_CHUNKS], odd[MAX_CHUNKS];
+/* The keys and values one KV head attends to. */
+typedef struct {
+    const void *keys, *values;        /* the head's row 0 */
+    int64_t stride;                   /* elements from one row to the next */
+    int64_t length;                   /* keys attended */
+    const int64_t *index;             /* the rows attended (gathered from a store), or NULL: rows 0 .. length-1 */
+    const float *rope_cos, *rope_sin; /* length x dim: key j is rotated at its own angles (rotate), or NULL */
+    const float *mask;                /* additive, one per key, or NULL */
+} head_keys;
+
+typedef struct {
+    float *scores;     /* rows x padded: logits, then softmax weights */
+    uint16_t *weights; /* rows x padded: the weights in bf16 (bf16 caches) */
+    int64_t padded;    /* length rounded up to LANES */
+} scratch;
+
+INLINE const char *row_address(const head_keys *h, const void *base, int64_t j, int element_size) {
+    return (const char *)base + (h->index ? h->index[j] : j) * h->stride * element_size;
+}
+
+INLINE void prefetch_key(const head_keys *h, const void *base, int64_t j, int bytes, int element_size) {
+    if (j < h->length) prefetch_row(row_address(h, base, j, element_size), bytes);
+}
+
+INLINE __m512 bf16x16_to_float(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* Rotary embedding in the rotate-half layout: x * cos + roll(x, dim / 2) * sin, with sin's first half negated by
+   the caller (the layout IndexPool keeps its placed positions' tables in). chunks: dim / LANES, even. */
+INLINE void rotate(__m512 *x, int chunks, const float *cos, const float *sin) {
+    __m512 rolled[MAX_CHUNKS];
+    for (int c = 0; c < chunks; c++) rolled[c] = x[(c + chunks / 2) % chunks];
+    for (int c = 0; c < chunks; c++)
+        x[c] = _mm512_fmadd_ps(x[c], _mm512_loadu_ps(cos + c * LANES),
+                               _mm512_mul_ps(rolled[c], _mm512_loadu_ps(sin + c * LANES)));
+}
+
+/* Key j as fp32 vectors, rotated when the head has tables. */
+INLINE void load_key_f32(const head_keys *h, int64_t j, int chunks, int bf16, __m512 *x) {
+    const char *row = row_address(h, h->keys, j, bf16 ? 2 : 4);
+    for (int c = 0; c < chunks; c++)
+        x[c] = bf16 ? bf16x16_to_float((const uint16_t *)row + c * LANES) : _mm512_loadu_ps((const float *)row + c * LANES);
+    if (h->rope_cos) rotate(x, chunks, h->rope_cos + j * chunks * LANES, h->rope_sin + j * chunks * LANES);
+}
+
+/* One KV head of an fp32 cache. q: rows x dim fp32; out: rows x dim fp32; lse: rows, or NULL. */
+INLINE void head_f32(const float *q, const head_keys *h, int chunks, int rows, float scale, scratch s, float *out,
+                     float *lse) {
+    __m512 keys[LANES][MAX_CHUNKS], partial[LANES], acc[MAX_CHUNKS], odd[MAX_CHUNKS];
     float total[MAX_ROWS];
+    const int64_t length = h->length, padded = s.padded;
     for (int64_t j0 = 0; j0 < length; j0 += LANES) {
         int n = length - j0 < LANES ? (int)(length - j0) : LANES;
-        for (int j = 0; j < n; j++) prefetch_row((const char *)(keys + (j0 + j + PREFETCH_AHEAD) * stride), chunks * 64);
+        for (int j = 0; j < n; j++) {
+            prefetch_key(h, h->keys, j0 + j + PREFETCH_AHEAD, chunks * 64, 4);
+            load_key_f32(h, j0 + j, chunks, 0, keys[j]);
+        }
         for (int r = 0; r < rows; r++) {
             for (int j = 0; j < LANES; j++) {
                 __m512 dot = _mm512_setzero_ps();
                 if (j < n)
                     for (int c = 0; c < chunks; c++)
-                        dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + (r * chunks + c) * LANES),
-                                              _mm512_loadu_ps(keys + (j0 + j) * stride + c * LANES), dot);
+                        dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + (r * chunks + c) * LANES), keys[j][c], dot);
                 partial[j] = dot;
             }
-            store_scores(scores + r * padded + j0, sum_lanes16(partial), scale, mask ? mask + j0 : NULL,
+            store_scores(s.scores + r * padded + j0, sum_lanes16(partial), scale, h->mask ? h->mask + j0 : NULL,
                          (__mmask16)((1u << n) - 1));
         }
     }
-    softmax_rows(scores, padded, rows, total, lse);
+    softmax_rows(s.scores, padded, rows, total, lse);
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + (r * chunks + c) * LANES, _mm512_setzero_ps());
     for (int64_t j0 = 0; j0 < length; j0 += VALUE_BLOCK) {
         int n = length - j0 < VALUE_BLOCK ? (int)(length - j0) : VALUE_BLOCK;
-        for (int j = 0; j < n; j++)
-            prefetch_row((const char *)(values + (j0 + j + PREFETCH_AHEAD) * stride), chunks * 64);
+        const float *rows_of[VALUE_BLOCK];
+        for (int j = 0; j < n; j++) {
+            prefetch_key(h, h->values, j0 + j + PREFETCH_AHEAD, chunks * 64, 4);
+            rows_of[j] = (const float *)row_address(h, h->values, j0 + j, 4);
+        }
         for (int r = 0; r < rows; r++) {
             float *o = out + r * chunks * LANES;
-            const float *w = scores + r * padded + j0;
+            const float *w = s.scores + r * padded + j0;
             for (int c = 0; c < chunks; c++) acc[c] = _mm512_loadu_ps(o + c * LANES), odd[c] = _mm512_setzero_ps();
             int j = 0;
             for (; j + 1 < n; j += 2) /* two chains of sums: one FMA's latency would otherwise bound the loop */
                 for (int c = 0; c < chunks; c++) {
-                    acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(values + (j0 + j) * stride + c * LANES), acc[c]);
-                    odd[c] = _mm512_fmadd_ps(_mm512_set1_ps(w[j + 1]),
-                                             _mm512_loadu_ps(values + (j0 + j + 1) * stride + c * LANES), odd[c]);
+                    acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(rows_of[j] + c * LANES), acc[c]);
+                    odd[c] = _mm512_fmadd_ps(_mm512_set1_ps(w[j + 1]), _mm512_loadu_ps(rows_of[j + 1] + c * LANES),
+                                             odd[c]);
                 }
             if (j < n)
                 for (int c = 0; c < chunks; c++)
-                    acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(values + (j0 + j) * stride + c * LANES), acc[c]);
+                    acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(rows_of[j] + c * LANES), acc[c]);
             for (int c = 0; c < chunks; c++) _mm512_storeu_ps(o + c * LANES, _mm512_add_ps(acc[c], odd[c]));
         }
     }
     for (int r = 0; r < rows; r++) {
         __m512 inverse = _mm512_set1_ps(total[r] > 0.0f ? 1.0f / total[r] : 0.0f);
         for (int c = 0; c < chunks; c++)
-            _mm512_storeu_ps(out + (r * chunks + c) * LANES, _mm512_mul_ps(_mm512_loadu_ps(out + (r * chunks + c) * LANES), inverse));
+            _mm512_storeu_ps(out + (r * chunks + c) * LANES,
+                             _mm512_mul_ps(_mm512_loadu_ps(out + (r * chunks + c) * LANES), inverse));
     }
 }
 
 #ifdef __AVX512BF16__
-/* One (sequence, KV head) of a bf16 cache; as head_f32, with q, keys and values bf16 (uint16 bit patterns) and
-   `pairs` = dim / 32 vectors of bf16 per row. */
-INLINE void head_bf16(const uint16_t *q, const uint16_t *keys, const uint16_t *values, int64_t stride,
-                      int64_t length, int pairs, int rows, float scale, const float *mask, float *scores,
-                      uint16_t *weights, int64_t padded, float *out, float *lse) {
+/* One KV head of a bf16 cache; as head_f32, with q bf16 (uint16 bit patterns) and `pairs` = dim / 32 vectors of
+   bf16 per row. A rotated key is rotated in fp32 and rounded to bf16 once, like the torch path's rotated keys. */
+INLINE void head_bf16(const uint16_t *q, const head_keys *h, int pairs, int rows, float scale, scratch s,
+                      float *out, float *lse) {
+    __m512i keys[LANES][MAX_CHUNKS / 2];
     __m512i interleaved[VALUE_BLOCK / 2][MAX_CHUNKS]; /* two keys' values, element by element (32 KB) */
     __m512 partial[LANES], acc[MAX_CHUNKS];
     float total[MAX_ROWS];
+    const int64_t length = h->length, padded = s.padded;
     for (int64_t j0 = 0; j0 < length; j0 += LANES) {
         int n = length - j0 < LANES ? (int)(length - j0) : LANES;
-        for (int j = 0; j < n; j++) prefetch_row((const char *)(keys + (j0 + j + PREFETCH_AHEAD) * stride), pairs * 64);
+        for (int j = 0; j < n; j++) {
+            prefetch_key(h, h->keys, j0 + j + PREFETCH_AHEAD, pairs * 64, 2);
+            if (h->rope_cos) {
+                __m512 x[MAX_CHUNKS];
+                load_key_f32(h, j0 + j, 2 * pairs, 1, x);
+                for (int c = 0; c < pairs; c++) keys[j][c] = (__m512i)_mm512_cvtne2ps_pbh(x[2 * c + 1], x[2 * c]);
+            } else {
+                const uint16_t *row = (const uint16_t *)row_address(h, h->keys, j0 + j, 2);
+                for (int c = 0; c < pairs; c++) keys[j][c] = _mm512_loadu_si512(row + c * 32);
+            }
+        }
         for (int r = 0; r < rows; r++) {
             for (int j = 0; j < LANES; j++) {
                 __m512 dot = _mm512_setzero_ps();
                 if (j < n)
                     for (int c = 0; c < pairs; c++)
                         dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(q + (r * pairs + c) * 32),
-                                               (__m512bh)_mm512_loadu_si512(keys + (j0 + j) * stride + c * 32));
+                                               (__m512bh)keys[j][c]);
                 partial[j] = dot;
             }
-            store_scores(scores + r * padded + j0, sum_lanes16(partial), scale, mask ? mask + j0 : NULL,
+            store_scores(s.scores + r * padded + j0, sum_lanes16(partial), scale, h->mask ? h->mask + j0 : NULL,
                          (__mmask16)((1u << n) - 1));
         }
     }
-    softmax_rows(scores, padded, rows, total, lse);
+    softmax_rows(s.scores, padded, rows, total, lse);
     for (int r = 0; r < rows; r++) /* weights to bf16; padded lanes are 0, so an odd length's last pair is whole */
         for (int64_t j = 0; j < padded; j += LANES)
-            _mm256_storeu_si256((__m256i *)(weights + r * padded + j),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + r * padded + j)));
+            _mm256_storeu_si256((__m256i *)(s.weights + r * padded + j),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s.scores + r * padded + j)));
     memset(out, 0, sizeof(float) * rows * pairs * 32);
     for (int64_t j0 = 0; j0 < length; j0 += VALUE_BLOCK) {
         int n = length - j0 < VALUE_BLOCK ? (int)(length - j0) : VALUE_BLOCK;
         for (int j = 0; j < n; j += 2) { /* lo/hi: each 128-bit lane's first/last 4 elements of both rows */
-            prefetch_row((const char *)(values + (j0 + j + PREFETCH_AHEAD) * stride), pairs * 64);
-            prefetch_row((const char *)(values + (j0 + j + 1 + PREFETCH_AHEAD) * stride), pairs * 64);
+            prefetch_key(h, h->values, j0 + j + PREFETCH_AHEAD, pairs * 64, 2);
+            prefetch_key(h, h->values, j0 + j + 1 + PREFETCH_AHEAD, pairs * 64, 2);
+            const uint16_t *even_row = (const uint16_t *)row_address(h, h->values, j0 + j, 2);
+            const uint16_t *odd_row = j + 1 < n ? (const uint16_t *)row_address(h, h->values, j0 + j + 1, 2) : NULL;
             for (int c = 0; c < pairs; c++) {
-                __m512i even = _mm512_loadu_si512(values + (j0 + j) * stride + c * 32);
-                __m512i odd = j + 1 < n ? _mm512_loadu_si512(values + (j0 + j + 1) * stride + c * 32)
-                                        : _mm512_setzero_si512();
+                __m512i even = _mm512_loadu_si512(even_row + c * 32);
+                __m512i odd = odd_row ? _mm512_loadu_si512(odd_row + c * 32) : _mm512_setzero_si512();
                 interleaved[j / 2][2 * c] = _mm512_unpacklo_epi16(even, odd);
                 interleaved[j / 2][2 * c + 1] = _mm512_unpackhi_epi16(even, odd);
             }
         }
         for (int r = 0; r < rows; r++) {
-            const uint16_t *w = weights + r * padded + j0;
+            const uint16_t *w = s.weights + r * padded + j0;
             for (int c = 0; c < 2 * pairs; c++) acc[c] = _mm512_setzero_ps();
             for (int j = 0; j < n; j += 2) {
                 uint32_t two;
@@ -222,24 +285,24 @@ INLINE void head_bf16(const uint16_t *q, const uint16_t *keys, const uint16_t *v
 #endif
 
 /* Head functions with their loop bounds fixed for the head sizes models use (64, 128), and one for any size. */
+typedef void (*f32_head)(const float *, const head_keys *, int, int, float, scratch, float *, float *);
 #define F32_VARIANT(NAME, CHUNKS)                                                                                  \
-    static void NAME(const float *q, const float *k, const float *v, int64_t stride, int64_t length, int chunks, \
-                     int rows, float scale, const float *mask, float *scores, int64_t padded, float *out,        \
-                     float *lse) {                                                                               \
+    static void NAME(const float *q, const head_keys *h, int chunks, int rows, float scale, scratch s,           \
+                     float *out, float *lse) {                                                                   \
         (void)chunks;                                                                                            \
-        head_f32(q, k, v, stride, length, CHUNKS, rows, scale, mask, scores, padded, out, lse);                  \
+        head_f32(q, h, CHUNKS, rows, scale, s, out, lse);                                                        \
     }
 F32_VARIANT(head_f32_d64, 4)
 F32_VARIANT(head_f32_d128, 8)
 F32_VARIANT(head_f32_any, chunks)
 
 #ifdef __AVX512BF16__
+typedef void (*bf16_head)(const uint16_t *, const head_keys *, int, int, float, scratch, float *, float *);
 #define BF16_VARIANT(NAME, PAIRS)                                                                                  \
-    static void NAME(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t stride, int64_t length,   \
-                     int pairs, int rows, float scale, const float *mask, float *scores, uint16_t *weights,      \
-                     int64_t padded, float *out, float *lse) {                                                   \
+    static void NAME(const uint16_t *q, const head_keys *h, int pairs, int rows, float scale, scratch s,         \
+                     float *out, float *lse) {                                                                   \
         (void)pairs;                                                                                             \
-        head_bf16(q, k, v, stride, length, PAIRS, rows, scale, mask, scores, weights, padded, out, lse);         \
+        head_bf16(q, h, PAIRS, rows, scale, s, out, lse);                                                        \
     }
 BF16_VARIANT(head_bf16_d64, 2)
 BF16_VARIANT(head_bf16_d128, 4)
@@ -262,20 +325,25 @@ int decode_attention_supports(int element_size, int dim) {
     return 0;
 }
 
-/* q: (batch, kv_heads, rows, dim) contiguous; k, v: (batch, kv_heads, length, dim) with the given element strides
-   for batch, head and token (dim contiguous, the same strides for both); mask: (batch, length) fp32 or NULL; out
-   like q; lse: (batch, kv_heads, rows) fp32, the log-sum-exp of the scaled, masked logits, or NULL. Returns 0, or
-   -1 for what it does not take (the caller then uses torch). */
+/* q: (batch, kv_heads, rows, dim) contiguous; k, v: (batch, kv_heads, tokens, dim) with the given element strides
+   for batch, head and token (dim contiguous, the same strides for both); length: the keys attended, tokens
+   0 .. length-1, or with index (batch, length) the tokens it lists (a store shared by the batch: batch stride 0);
+   rope_cos, rope_sin: (length, dim) fp32 tables to rotate the keys with (see rotate), or NULL; mask: (batch,
+   length) fp32 or NULL; out like q; lse: (batch, kv_heads, rows) fp32, the log-sum-exp of the scaled, masked
+   logits, or NULL. Returns 0, or -1 for what it does not take (the caller then uses torch). */
 int decode_attention(const void *q, const void *k, const void *v, const float *mask, void *out, float *lse,
                      int element_size, int batch, int kv_heads, int rows, int dim, int64_t length,
-                     int64_t batch_stride, int64_t head_stride, int64_t token_stride, float scale) {
-    if (!decode_attention_supports(element_size, dim) || rows < 1 || rows > MAX_ROWS || length < 0) return -1;
-    int64_t padded = (length + LANES - 1) / LANES * LANES;
-    float *scores = malloc(sizeof(float) * rows * (padded + LANES));
-    uint16_t *weights = malloc(sizeof(uint16_t) * rows * (padded + LANES));
-    if (!scores || !weights) {
-        free(scores);
-        free(weights);
+                     int64_t batch_stride, int64_t head_stride, int64_t token_stride, float scale,
+                     const int64_t *index, const float *rope_cos, const float *rope_sin) {
+    if (!decode_attention_supports(element_size, dim) || rows < 1 || rows > MAX_ROWS || length < 0 ||
+        (rope_cos && (dim % 32 || !rope_sin)))
+        return -1;
+    scratch s = {NULL, NULL, (length + LANES - 1) / LANES * LANES};
+    s.scores = malloc(sizeof(float) * rows * (s.padded + LANES));
+    s.weights = malloc(sizeof(uint16_t) * rows * (s.padded + LANES));
+    if (!s.scores || !s.weights) {
+        free(s.scores);
+        free(s.weights);
         return -1;
     }
     float result[MAX_ROWS * MAX_CHUNKS * LANES];
@@ -283,28 +351,24 @@ int decode_attention(const void *q, const void *k, const void *v, const float *m
         for (int h = 0; h < kv_heads; h++) {
             int64_t head = (int64_t)b * batch_stride + (int64_t)h * head_stride;
             int64_t first = ((int64_t)b * kv_heads + h) * rows; /* the head's first query row */
-            const float *head_mask = mask ? mask + (int64_t)b * length : NULL;
+            head_keys keys = {(const char *)k + head * element_size, (const char *)v + head * element_size,
+                              token_stride, length, index ? index + (int64_t)b * length : NULL, rope_cos, rope_sin,
+                              mask ? mask + (int64_t)b * length : NULL};
             float *head_lse = lse ? lse + first : NULL;
             if (element_size == 4) {
-                void (*f32)(const float *, const float *, const float *, int64_t, int64_t, int, int, float,
-                            const float *, float *, int64_t, float *, float *) =
-                    dim == 64 ? head_f32_d64 : dim == 128 ? head_f32_d128 : head_f32_any;
-                f32((const float *)q + first * dim, (const float *)k + head, (const float *)v + head, token_stride,
-                    length, dim / LANES, rows, scale, head_mask, scores, padded, (float *)out + first * dim,
+                f32_head f32 = dim == 64 ? head_f32_d64 : dim == 128 ? head_f32_d128 : head_f32_any;
+                f32((const float *)q + first * dim, &keys, dim / LANES, rows, scale, s, (float *)out + first * dim,
                     head_lse);
                 continue;
             }
 #ifdef __AVX512BF16__
-            void (*bf16)(const uint16_t *, const uint16_t *, const uint16_t *, int64_t, int64_t, int, int, float,
-                         const float *, float *, uint16_t *, int64_t, float *, float *) =
-                dim == 64 ? head_bf16_d64 : dim == 128 ? head_bf16_d128 : head_bf16_any;
-            bf16((const uint16_t *)q + first * dim, (const uint16_t *)k + head, (const uint16_t *)v + head,
-                 token_stride, length, dim / 32, rows, scale, head_mask, scores, weights, padded, result, head_lse);
+            bf16_head bf16 = dim == 64 ? head_bf16_d64 : dim == 128 ? head_bf16_d128 : head_bf16_any;
+            bf16((const uint16_t *)q + first * dim, &keys, dim / 32, rows, scale, s, result, head_lse);
             for (int i = 0; i < rows * dim; i++) ((uint16_t *)out)[first * dim + i] = float_to_bf16(result[i]);
 #endif
         }
     }
-    free(scores);
-    free(weights);
+    free(s.scores);
+    free(s.weights);
     return 0;
 }

@@ -30,6 +30,8 @@ from . import BACKEND_VARIABLE
 SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
 MAX_ROWS = 16  # query heads per KV head, as in the C source
+# decode_attention's arguments, one letter each: p pointer, i int, q int64, f float
+SIGNATURE = "pppppp" + "iiiii" + "qqqq" + "f" + "ppp"
 
 
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -57,28 +59,29 @@ def _cpu_identity() -> str:
 # faults on (llama.cpp's native build died of an illegal instruction on one), and that must cost a fallback to torch,
 # not the process. Uniform keys make the expected output the mean of the values; lse = log(keys) + the one logit.
 SELF_TEST = """
-import ctypes, struct, sys
+import ctypes, math, struct, sys
 lib = ctypes.CDLL(sys.argv[1])
-lib.decode_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_float]
-for size, code in ((4, "f"), (2, "H")):
-    dim, keys = 32, 37
+types = {"p": ctypes.c_void_p, "i": ctypes.c_int, "q": ctypes.c_int64, "f": ctypes.c_float}
+lib.decode_attention.argtypes = [types[code] for code in sys.argv[2]]
+dim, keys = 32, 37
+values = [float(j % 4) for j in range(keys) for _ in range(dim)]
+for size in (4, 2):
     if not lib.decode_attention_supports(size, dim):
         continue
-    pack = (lambda xs: struct.pack(f"{len(xs)}f", *xs)) if size == 4 else (
-        lambda xs: struct.pack(f"{len(xs)}H", *(struct.unpack("I", struct.pack("f", x))[0] >> 16 for x in xs)))
-    q, k = pack([0.5] * 2 * dim), pack([0.25] * keys * dim)
-    v = pack([float(j % 4) for j in range(keys) for _ in range(dim)])
+    if size == 4:
+        pack = lambda xs: struct.pack(f"{len(xs)}f", *xs)
+    else:  # bf16: the upper half of each fp32
+        pack = lambda xs: struct.pack(f"{len(xs)}H", *(struct.unpack("I", struct.pack("f", x))[0] >> 16 for x in xs))
+    q, k, v = (ctypes.create_string_buffer(pack(xs)) for xs in ([0.5] * 2 * dim, [0.25] * keys * dim, values))
     out, lse = ctypes.create_string_buffer(2 * dim * size), (ctypes.c_float * 2)()
-    buffers = [ctypes.create_string_buffer(b) for b in (q, k, v)]
-    status = lib.decode_attention(*buffers[:2], buffers[2], None, out, lse, size, 1, 1, 2, dim, keys,
-                                  keys * dim, keys * dim, dim, dim ** -0.5)
-    raw = out.raw
-    got = struct.unpack(f"{2 * dim}f", raw) if size == 4 else [
-        struct.unpack("f", struct.pack("I", h << 16))[0] for h in struct.unpack(f"{2 * dim}H", raw)]
-    mean = sum(j % 4 for j in range(keys)) / keys
-    logit = 0.5 * 0.25 * dim * dim ** -0.5
-    expected_lse = logit + __import__("math").log(keys)
-    if status != 0 or any(abs(x - mean) > 1e-2 for x in got) or any(abs(x - expected_lse) > 1e-4 for x in lse):
+    status = lib.decode_attention(q, k, v, None, out, lse, size, 1, 1, 2, dim, keys, keys * dim, keys * dim, dim,
+                                  dim ** -0.5, None, None, None)
+    if size == 4:
+        got = struct.unpack(f"{2 * dim}f", out.raw)
+    else:
+        got = [struct.unpack("f", struct.pack("I", h << 16))[0] for h in struct.unpack(f"{2 * dim}H", out.raw)]
+    mean, logit = sum(j % 4 for j in range(keys)) / keys, 0.5 * 0.25 * dim * dim ** -0.5
+    if status != 0 or any(abs(x - mean) > 1e-2 for x in got) or any(abs(x - logit - math.log(keys)) > 1e-4 for x in lse):
         sys.exit(f"wrong result (element size {size})")
 """
 
@@ -111,8 +114,8 @@ def native_library() -> tuple[ctypes.CDLL | None, str]:
     except OSError as error:
         return None, f"torch (the C kernel did not load: {error})"
     library.decode_attention.restype = ctypes.c_int
-    library.decode_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_int64] * 4 + [
-        ctypes.c_float]
+    types = {"p": ctypes.c_void_p, "i": ctypes.c_int, "q": ctypes.c_int64, "f": ctypes.c_float}
+    library.decode_attention.argtypes = [types[code] for code in SIGNATURE]
     library.decode_attention_supports.restype = ctypes.c_int
     library.decode_attention_supports.argtypes = [ctypes.c_int, ctypes.c_int]
     return library, f"C kernel ({path})"
@@ -130,7 +133,8 @@ def _build(compiler: str, directory: Path, path: Path) -> str | None:
                 lines = compiled.stderr.decode(errors="replace").strip().splitlines()
                 error = next((line for line in lines if "error" in line), lines[-1] if lines else "no output")
                 return f"torch (the C kernel did not build: {error.strip()})"
-            tested = subprocess.run([sys.executable, "-c", SELF_TEST, str(built)], capture_output=True, timeout=60)
+            tested = subprocess.run([sys.executable, "-c", SELF_TEST, str(built), SIGNATURE], capture_output=True,
+                                    timeout=60)
             if tested.returncode != 0:
                 lines = tested.stderr.decode(errors="replace").strip().splitlines() or [f"exit {tested.returncode}"]
                 return f"torch (the C kernel failed its self-test: {lines[-1]})"
@@ -162,25 +166,36 @@ def _supports(dtype: torch.dtype, head_dim: int) -> bool:
 
 
 def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                     return_lse: bool = False):
+                     return_lse: bool = False, index: torch.Tensor | None = None,
+                     rope: tuple[torch.Tensor, torch.Tensor] | None = None):
     """`decode_attention_reference` by the C kernel, with return_lse also the fp32 log-sum-exp (B, KV, R) of the
     scaled, masked logits; None where the kernel does not run (not a CPU, INDEXPOOL_KERNELS=torch, not built, more
-    than 16 rows per KV head, a dtype or head size it does not take, a mask that varies by head or row)."""
+    than 16 rows per KV head, a dtype or head size it does not take, a mask that varies by head or row).
+
+    index (B, N) int64: each batch entry attends to the N tokens it lists of k/v, which are then one store
+    (1, KV, tokens, D) shared by the batch. rope (cos, sin), each (N, D) fp32: key n is rotated before use as
+    k * cos + roll(k, D / 2) * sin, sin's first half negated (the rotate-half layout; D a multiple of 32)."""
     B, KV, R, D = q.shape
-    S = k.shape[2]
+    S = k.shape[2] if index is None else index.shape[1]
     if (q.device.type != "cpu" or os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() == "torch"
             or not _supports(q.dtype, D) or k.dtype != q.dtype or v.dtype != q.dtype or R > MAX_ROWS
-            or k.stride() != v.stride() or k.stride(-1) != 1 or k.shape != v.shape or k.shape[:2] != (B, KV)
+            or k.stride() != v.stride() or k.stride(-1) != 1 or k.shape != v.shape
+            or k.shape[:2] != ((B if index is None else 1), KV)
+            or (index is not None and (index.shape[0] != B or index.dtype != torch.int64))
+            or (rope is not None and (D % 32 or any(t.shape != (S, D) for t in rope)))
             or (mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1))):
         return None
     q = q.contiguous()
     out = torch.empty(B, KV, R, D, dtype=q.dtype)
     lse = torch.empty(B, KV, R) if return_lse else None
     rows_mask = None if mask is None else mask.expand(B, 1, 1, S).reshape(B, S).float().contiguous()
+    index = None if index is None else index.contiguous()
+    cos, sin = (None, None) if rope is None else (t.float().contiguous() for t in rope)
+    pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     status = native_library()[0].decode_attention(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), None if rows_mask is None else rows_mask.data_ptr(),
-        out.data_ptr(), None if lse is None else lse.data_ptr(), q.element_size(), B, KV, R, D, S, k.stride(0),
-        k.stride(1), k.stride(2), D**-0.5)
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(rows_mask), out.data_ptr(), pointer(lse), q.element_size(),
+        B, KV, R, D, S, 0 if index is not None else k.stride(0), k.stride(1), k.stride(2), D**-0.5, pointer(index),
+        pointer(cos), pointer(sin))
     if status != 0:  # a scratch allocation failed
         return None
     return (out, lse) if return_lse else out

@@ -169,6 +169,11 @@ class HistoryStore:
             k, v = self._read(k, None), self._read(v, None)
         return k.view(*positions.shape, *k.shape[1:]), v.view(*positions.shape, *v.shape[1:])
 
+    def heads(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's stored K and V as (1, kv_heads, tokens, head_dim) views (bf16/fp32 storage only)."""
+        return tuple(t[layer].view(t.shape[1], self.kv_heads, self.head_dim).transpose(0, 1)[None]
+                     for t in (self.k, self.v))
+
     def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions [start, end), (T, kv_heads, head_dim)."""
         scales = (self.k_scale[layer, start:end], self.v_scale[layer, start:end]) if self.quantized else (None, None)
@@ -343,7 +348,9 @@ class IndexPoolCache:
         cos, sin = rope_at(self.inv_freq, placed)
         half = self.head_dim // 2
         # For rotating by roll: x * cos + roll(x, half) * [-sin | sin] is rotate-half RoPE.
-        self.far_cos, self.far_sin_signed = cos.to(self.dtype), torch.cat([-sin[..., :half], sin[..., half:]], -1).to(self.dtype)
+        sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], -1)
+        self.far_cos, self.far_sin_signed = cos.to(self.dtype), sin_signed.to(self.dtype)
+        self.far_rope_fp32 = cos[:, 0], sin_signed[:, 0]  # (N, D) each, for the C decode kernel
         # Built once per forward rather than in every layer: the positions taken whole (the sinks, or everything
         # before the window while it fits in topk) and a pool's token offsets.
         self.fixed_positions = torch.arange(self.ws if self.n_far <= s.topk else self.n_sinks, device=device)
@@ -455,16 +462,22 @@ class IndexPoolCache:
                           own_lse.view(KV, group, T).transpose(1, 2).reshape(1, KV, T * group)))
         if far.shape[1]:
             # Far part: one batch entry per query block, the block's query rows per KV head.
-            far_k, far_v = self.store.gather(layer, far)  # (n_blocks, N, KV, D)
-            # In place on the freshly gathered keys: several times faster than out-of-place bf16 ops here.
-            far_k = far_k.roll(self.head_dim // 2, -1).mul_(self.far_sin_signed).addcmul_(far_k, self.far_cos)
             q_blocks = F.pad(q_rot, (0, 0, 0, 0, 0, n_blocks * block - T)).view(n_blocks, block, KV, group, D)
             q_blocks = q_blocks.transpose(1, 2).reshape(n_blocks, KV, block * group, D)
-            if evidence:  # the logits are needed for the evidence too: computed once, for both
-                far_logits = gathered_key_logits(q_blocks, far_k)
-                far_out, far_lse = attention_from_logits(far_logits, far_v)
+            # A few query rows (decode): the C kernel reads the selected K/V where they lie and rotates the keys.
+            native = None if evidence or self.store.quantized else native_attention(
+                q_blocks, *self.store.heads(layer), return_lse=True, index=far, rope=self.far_rope_fp32)
+            if native is not None:
+                far_out, far_lse = native
             else:
-                far_out, far_lse = attention_with_lse(q_blocks, far_k.transpose(1, 2), far_v.transpose(1, 2))
+                far_k, far_v = self.store.gather(layer, far)  # (n_blocks, N, KV, D)
+                # In place on the freshly gathered keys: several times faster than out-of-place bf16 ops here.
+                far_k = far_k.roll(self.head_dim // 2, -1).mul_(self.far_sin_signed).addcmul_(far_k, self.far_cos)
+                if evidence:  # the logits are needed for the evidence too: computed once, for both
+                    far_logits = gathered_key_logits(q_blocks, far_k)
+                    far_out, far_lse = attention_from_logits(far_logits, far_v)
+                else:
+                    far_out, far_lse = attention_with_lse(q_blocks, far_k.transpose(1, 2), far_v.transpose(1, 2))
             parts.append((far_out.reshape(n_blocks, KV, block * group, D).transpose(0, 1).reshape(1, KV, -1, D)[:, :, : T * group],
                           far_lse.transpose(0, 1).reshape(1, KV, -1)[:, :, : T * group]))
         if evidence:

@@ -99,6 +99,35 @@ def test_kernel_log_sum_exp(dtype):
     assert torch.equal(out, decode.decode_attention(q, k, v, mask))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 96])
+def test_kernel_gathers_and_rotates_keys(dtype, dim):
+    """IndexPool's far part: two query blocks, each attending to its own 37 of a 300-token store's rows (every
+    other row NaN: a wrong row would show), keys rotated at per-slot angles. Against fp64 attention on the same
+    rows rotated in fp64 (bf16: then rounded to bf16, as the kernel rounds its fp32 rotation; bound as above)."""
+    _require_kernel()
+    generator = torch.Generator().manual_seed(dim)
+    B, KV, R, N, tokens = 2, 3, 3, 37, 300
+    q = torch.randn(B, KV, R, dim, generator=generator).to(dtype)
+    index = torch.stack([torch.randperm(tokens // 2, generator=generator)[:N].sort().values * 2 for _ in range(B)])
+    store = torch.full((2, 1, KV, tokens, dim), float("nan"), dtype=dtype)
+    store[:, :, :, ::2] = torch.randn(2, 1, KV, (tokens + 1) // 2, dim, generator=generator).to(dtype)
+    angles = torch.rand(N, dim // 2, generator=generator, dtype=torch.float64) * 6.3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)
+    k, v = (store[i, 0][:, index].transpose(0, 1).double() for i in (0, 1))  # (B, KV, N, dim)
+    rotated = k * cos + k.roll(dim // 2, -1) * sin
+    if dtype == torch.bfloat16:
+        rotated = rotated.to(dtype).double()
+    exact, exact_lse = _exact(q, rotated, v, None, return_lse=True)
+    got, lse = decode.native_attention(q, store[0], store[1], return_lse=True, index=index, rope=(cos, sin))
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, atol=1e-6, rtol=0)
+        torch.testing.assert_close(lse.double(), exact_lse, atol=1e-5, rtol=0)
+    else:
+        assert (got.double() - exact).abs().max().item() <= 2**-8 * (v.abs().max() + exact.abs().max()).item()
+        torch.testing.assert_close(lse.double(), exact_lse, atol=1e-3, rtol=0)
+
+
 def test_kernel_runs_where_it_says_it_does():
     """The default model's shapes (bf16 where the CPU has AVX512-BF16, fp32) go to the kernel, not the reference."""
     _require_kernel()
@@ -177,9 +206,9 @@ def test_build_lands_in_the_cache_directory(fresh_build):
 
 @pytest.mark.parametrize("attention", ["dense", "indexpool"])
 def test_engine_decodes_the_same_through_the_kernel(attention, monkeypatch):
-    """A tiny fp32 model (head size 16, two query rows per KV head) read past its context: each prefill and decode
-    step's logits through the C kernel (dense decode steps; IndexPool's window and far parts of forwards with at
-    most 16 query rows) equal those of the torch path within 1e-5."""
+    """A tiny fp32 model (head size 32, two query rows per KV head) read past its context: each prefill and decode
+    step's logits through the C kernel (dense decode steps; IndexPool's window and far parts, gathered and rotated
+    in the kernel, of forwards with at most 16 query rows) equal those of the torch path within 1e-5."""
     _require_kernel()
     from dataclasses import replace
 
@@ -188,7 +217,7 @@ def test_engine_decodes_the_same_through_the_kernel(attention, monkeypatch):
     from model.llama import Transformer
     from tests.test_indexpool_cache import CONFIG, SETTINGS, prompts_for
 
-    config = replace(CONFIG, head_dim=16)
+    config = replace(CONFIG, head_dim=32)
     torch.manual_seed(3)
     model = Transformer(config).eval()
     prompt = prompts_for(5, [150 if attention == "indexpool" else 50])[0]
