@@ -63,8 +63,10 @@ import ctypes, math, struct, sys
 lib = ctypes.CDLL(sys.argv[1])
 types = {"p": ctypes.c_void_p, "i": ctypes.c_int, "q": ctypes.c_int64, "f": ctypes.c_float}
 lib.decode_attention.argtypes = [types[code] for code in sys.argv[2]]
-dim, keys = 32, 37
+dim, keys = 64, 37
 values = [float(j % 4) for j in range(keys) for _ in range(dim)]
+index = (ctypes.c_int64 * keys)(*range(keys))  # gathered in order, rotated by angle 0: the same attention
+cos, sin = (ctypes.c_float * (keys * dim))(*[1.0] * (keys * dim)), (ctypes.c_float * (keys * dim))()
 for size in (4, 2):
     if not lib.decode_attention_supports(size, dim):
         continue
@@ -73,16 +75,18 @@ for size in (4, 2):
     else:  # bf16: the upper half of each fp32
         pack = lambda xs: struct.pack(f"{len(xs)}H", *(struct.unpack("I", struct.pack("f", x))[0] >> 16 for x in xs))
     q, k, v = (ctypes.create_string_buffer(pack(xs)) for xs in ([0.5] * 2 * dim, [0.25] * keys * dim, values))
-    out, lse = ctypes.create_string_buffer(2 * dim * size), (ctypes.c_float * 2)()
-    status = lib.decode_attention(q, k, v, None, out, lse, size, 1, 1, 2, dim, keys, keys * dim, keys * dim, dim,
-                                  dim ** -0.5, None, None, None)
-    if size == 4:
-        got = struct.unpack(f"{2 * dim}f", out.raw)
-    else:
-        got = [struct.unpack("f", struct.pack("I", h << 16))[0] for h in struct.unpack(f"{2 * dim}H", out.raw)]
-    mean, logit = sum(j % 4 for j in range(keys)) / keys, 0.5 * 0.25 * dim * dim ** -0.5
-    if status != 0 or any(abs(x - mean) > 1e-2 for x in got) or any(abs(x - logit - math.log(keys)) > 1e-4 for x in lse):
-        sys.exit(f"wrong result (element size {size})")
+    for extra in ((None, None, None), (index, cos, sin)):
+        out, lse = ctypes.create_string_buffer(2 * dim * size), (ctypes.c_float * 2)()
+        status = lib.decode_attention(q, k, v, None, out, lse, size, 1, 1, 2, dim, keys, keys * dim, keys * dim, dim,
+                                      dim ** -0.5, *extra)
+        if size == 4:
+            got = struct.unpack(f"{2 * dim}f", out.raw)
+        else:
+            got = [struct.unpack("f", struct.pack("I", h << 16))[0] for h in struct.unpack(f"{2 * dim}H", out.raw)]
+        mean, logit = sum(j % 4 for j in range(keys)) / keys, 0.5 * 0.25 * dim * dim ** -0.5
+        if (status != 0 or any(abs(x - mean) > 1e-2 for x in got)
+                or any(abs(x - logit - math.log(keys)) > 1e-4 for x in lse)):
+            sys.exit(f"wrong result (element size {size}, gathered: {extra[0] is not None})")
 """
 
 
