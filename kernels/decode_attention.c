@@ -328,13 +328,14 @@ int decode_attention_supports(int element_size, int dim) {
 /* q: (batch, kv_heads, rows, dim) contiguous; k, v: (batch, kv_heads, tokens, dim) with the given element strides
    for batch, head and token (dim contiguous, the same strides for both); length: the keys attended, tokens
    0 .. length-1, or with index (batch, length) the tokens it lists (a store shared by the batch: batch stride 0);
-   rope_cos, rope_sin: (length, dim) fp32 tables to rotate the keys with (see rotate), or NULL; mask: (batch,
+   rope_cos, rope_sin: (length, dim) fp32 tables to rotate the keys with (see rotate), rope_stride elements from
+   one batch entry's tables to the next (0: shared), or NULL; mask: (batch,
    length) fp32 or NULL; out like q; lse: (batch, kv_heads, rows) fp32, the log-sum-exp of the scaled, masked
    logits, or NULL. Returns 0, or -1 for what it does not take (the caller then uses torch). */
 int decode_attention(const void *q, const void *k, const void *v, const float *mask, void *out, float *lse,
                      int element_size, int batch, int kv_heads, int rows, int dim, int64_t length,
                      int64_t batch_stride, int64_t head_stride, int64_t token_stride, float scale,
-                     const int64_t *index, const float *rope_cos, const float *rope_sin) {
+                     const int64_t *index, const float *rope_cos, const float *rope_sin, int64_t rope_stride) {
     if (!decode_attention_supports(element_size, dim) || rows < 1 || rows > MAX_ROWS || length < 0 ||
         (rope_cos && (dim % 32 || !rope_sin)))
         return -1;
@@ -352,7 +353,8 @@ int decode_attention(const void *q, const void *k, const void *v, const float *m
             int64_t head = (int64_t)b * batch_stride + (int64_t)h * head_stride;
             int64_t first = ((int64_t)b * kv_heads + h) * rows; /* the head's first query row */
             head_keys keys = {(const char *)k + head * element_size, (const char *)v + head * element_size,
-                              token_stride, length, index ? index + (int64_t)b * length : NULL, rope_cos, rope_sin,
+                              token_stride, length, index ? index + (int64_t)b * length : NULL,
+                              rope_cos ? rope_cos + b * rope_stride : NULL, rope_sin ? rope_sin + b * rope_stride : NULL,
                               mask ? mask + (int64_t)b * length : NULL};
             float *head_lse = lse ? lse + first : NULL;
             if (element_size == 4) {

@@ -31,7 +31,7 @@ SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
 MAX_ROWS = 16  # query heads per KV head, as in the C source
 # decode_attention's arguments, one letter each: p pointer, i int, q int64, f float
-SIGNATURE = "pppppp" + "iiiii" + "qqqq" + "f" + "ppp"
+SIGNATURE = "pppppp" + "iiiii" + "qqqq" + "f" + "ppp" + "q"
 
 
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -75,7 +75,7 @@ for size in (4, 2):
     else:  # bf16: the upper half of each fp32
         pack = lambda xs: struct.pack(f"{len(xs)}H", *(struct.unpack("I", struct.pack("f", x))[0] >> 16 for x in xs))
     q, k, v = (ctypes.create_string_buffer(pack(xs)) for xs in ([0.5] * 2 * dim, [0.25] * keys * dim, values))
-    for extra in ((None, None, None), (index, cos, sin)):
+    for extra in ((None, None, None, 0), (index, cos, sin, 0)):
         out, lse = ctypes.create_string_buffer(2 * dim * size), (ctypes.c_float * 2)()
         status = lib.decode_attention(q, k, v, None, out, lse, size, 1, 1, 2, dim, keys, keys * dim, keys * dim, dim,
                                       dim ** -0.5, *extra)
@@ -178,7 +178,8 @@ def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
     index (B, N) int64: each batch entry attends to the N tokens it lists of k/v, which are then one store
     (1, KV, tokens, D) shared by the batch. rope (cos, sin), each (N, D) fp32: key n is rotated before use as
-    k * cos + roll(k, D / 2) * sin, sin's first half negated (the rotate-half layout; D a multiple of 32)."""
+    k * cos + roll(k, D / 2) * sin, sin's first half negated (the rotate-half layout; D a multiple of 32); or each
+    (B, N, D), a table per batch entry."""
     B, KV, R, D = q.shape
     S = k.shape[2] if index is None else index.shape[1]
     if (q.device.type != "cpu" or os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() == "torch"
@@ -186,7 +187,8 @@ def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
             or k.stride() != v.stride() or k.stride(-1) != 1 or k.shape != v.shape
             or k.shape[:2] != ((B if index is None else 1), KV)
             or (index is not None and (index.shape[0] != B or index.dtype != torch.int64))
-            or (rope is not None and (D % 32 or any(t.shape != (S, D) for t in rope)))
+            or (rope is not None and (D % 32 or any(t.shape[-2:] != (S, D) or t.dim() not in (2, 3)
+                                                    or t.shape[:-2] not in ((), (B,)) for t in rope)))
             or (mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1))):
         return None
     q = q.contiguous()
@@ -199,7 +201,7 @@ def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     status = native_library()[0].decode_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(rows_mask), out.data_ptr(), pointer(lse), q.element_size(),
         B, KV, R, D, S, 0 if index is not None else k.stride(0), k.stride(1), k.stride(2), D**-0.5, pointer(index),
-        pointer(cos), pointer(sin))
+        pointer(cos), pointer(sin), 0 if rope is None or cos.dim() == 2 else S * D)
     if status != 0:  # a scratch allocation failed
         return None
     return (out, lse) if return_lse else out

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.decode_attention import native_attention
+
 from .indexpool_cache import (AttentionEvidence, IndexPoolCache, attention_with_lse, gathered_key_logits,
                               gathered_key_mass, merge_attention)
 from .llama import apply_rope, rope_at
@@ -109,8 +111,9 @@ class IndexPoolBranches:
         placed = torch.where(self.takes_all[:, None], self.far_slots, self.far_slots + (self.ws - n_attended)[:, None])
         cos, sin = rope_at(base.inv_freq, placed.to(device))  # (B, N, 1, D)
         half = self.head_dim // 2
-        self.far_cos = cos.to(base.dtype)
-        self.far_sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], -1).to(base.dtype)
+        sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], -1)
+        self.far_cos, self.far_sin_signed = cos.to(base.dtype), sin_signed.to(base.dtype)
+        self.far_rope_fp32 = cos[:, :, 0], sin_signed[:, :, 0]  # (B, N, D) each, for the C decode kernel
         # Additive masks, built once per step for every layer: invalid far slots; document window keys before a
         # branch's window start; own slots past a branch's current token.
         self.far_mask = None if bool(self.far_valid.all()) else _additive(~self.far_valid)[:, None, None, :]
@@ -170,10 +173,16 @@ class IndexPoolBranches:
         self.selections[layer] = far
         parts, far_k = [], None
         if far.shape[1]:  # none while every window starts at 0
-            far_k, far_v = base.store.gather(layer, far)  # (B, N, KV, D)
-            # Rotated as IndexPoolCache.attend rotates them (in place, bf16), so both give the same logits.
-            far_k = far_k.roll(D // 2, -1).mul_(self.far_sin_signed).addcmul_(far_k, self.far_cos)
-            parts.append(attention_with_lse(q, far_k.transpose(1, 2), far_v.transpose(1, 2), mask=self.far_mask))
+            # As IndexPoolCache.attend does it: the C kernel gathers and rotates, else the torch path below.
+            native = None if self.local_band is not None or base.store.quantized else native_attention(
+                q, *base.store.heads(layer), self.far_mask, return_lse=True, index=far, rope=self.far_rope_fp32)
+            if native is not None:
+                parts.append(native)
+            else:
+                far_k, far_v = base.store.gather(layer, far)  # (B, N, KV, D)
+                # Rotated as IndexPoolCache.attend rotates them (in place, bf16), so both give the same logits.
+                far_k = far_k.roll(D // 2, -1).mul_(self.far_sin_signed).addcmul_(far_k, self.far_cos)
+                parts.append(attention_with_lse(q, far_k.transpose(1, 2), far_v.transpose(1, 2), mask=self.far_mask))
         # The document's part of the window, from the earliest branch's window start to the prefix: every branch's
         # query rows against the same keys, each masked before its own window start.
         window = slice(self.doc_window_start - base.recent_start, self.prefix - base.recent_start)

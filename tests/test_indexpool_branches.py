@@ -1,6 +1,8 @@
 """Branches: several continuations of one held document decoded as one batch must attend exactly as each would
 alone in the IndexPool cache (same selections, positions and evidence), on a tiny random fp32 model."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -25,12 +27,14 @@ def sequential_logits(model, session, prompt, forced):
     return torch.cat(logits)
 
 
+@pytest.mark.parametrize("head_dim", [8, 32])
 @pytest.mark.parametrize("document_length", [120, 36, 60, 12])
-def test_branches_attend_as_each_branch_alone(document_length):
+def test_branches_attend_as_each_branch_alone(document_length, head_dim):
     """120: every branch selects far pools at remapped positions; 36: everything before each window is taken;
     60: branches of different lengths straddle both cases in one batch; 12: some branches' windows start at 0
-    (no far tokens at all) while others' do not."""
-    model = tiny_model(3)
+    (no far tokens at all) while others' do not. Head size 32: the C decode kernel's path where it runs (far
+    tokens gathered and rotated with each branch's own RoPE tables), 8: the torch path."""
+    model = tiny_model(3, replace(CONFIG, head_dim=head_dim))
     session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
     document = prompts_for(5, [document_length])[0]
     session.prefill(document, query_tail=False)

@@ -22,9 +22,9 @@ SETTINGS = dict(kpool=4, topk=8, window=8, sinks=4, segment=16, query_tokens=6, 
                 segment_queries=3, segment_candidates=5)
 
 
-def tiny_model(seed: int = 0) -> Transformer:
+def tiny_model(seed: int = 0, config: LlamaConfig = CONFIG) -> Transformer:
     torch.manual_seed(seed)
-    model = Transformer(CONFIG).eval()
+    model = Transformer(config).eval()
     with torch.no_grad():
         for layer in model.layers:  # larger q/k weights make attention peaked, so selection matters
             layer.attention.wqkv.weight.mul_(4)
