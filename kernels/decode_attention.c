@@ -316,6 +316,200 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+#ifdef __AVX512BF16__
+/* Causal attention for a segment of a prompt (prefill), bf16, flash style: queries in tiles of up to TILE_ROWS rows
+   (a token's query heads of one KV head are consecutive rows), keys in blocks of 32 with a running softmax. The
+   logits are outer products: each query pair of elements broadcast against 16 keys' pairs, so a block's 32 logits
+   per row come out as two vectors with no horizontal sums. For that the head's keys are first transposed into
+   pairs (pair p of key j at kt[p * padded + j]) and its values interleaved two keys at a time (as in head_bf16). */
+#define TILE_ROWS 64
+#define KEY_BLOCK 32
+
+typedef struct {
+    const uint32_t *kt;     /* pairs x padded: key pairs, transposed */
+    const __m512i *vint;    /* (padded / 2) x (dim / 16): two keys' values interleaved */
+    int64_t padded;         /* keys rounded up to KEY_BLOCK */
+} prepared_head;
+
+static void prepare_head(const uint16_t *keys, const uint16_t *values, int64_t stride, int64_t length, int dim,
+                         uint32_t *kt, __m512i *vint, int64_t padded) {
+    int pairs = dim / 2, chunks = dim / LANES;
+    for (int64_t j = 0; j < padded; j++) {
+        const uint32_t *row = (const uint32_t *)(keys + j * stride);
+        for (int p = 0; p < pairs; p++) kt[p * padded + j] = j < length ? row[p] : 0;
+    }
+    for (int64_t j = 0; j < padded; j += 2)
+        for (int c = 0; c < dim / 32; c++) {
+            __m512i even = j < length ? _mm512_loadu_si512(values + j * stride + c * 32) : _mm512_setzero_si512();
+            __m512i odd = j + 1 < length ? _mm512_loadu_si512(values + (j + 1) * stride + c * 32) : _mm512_setzero_si512();
+            vint[(j / 2) * chunks + 2 * c] = _mm512_unpacklo_epi16(even, odd);
+            vint[(j / 2) * chunks + 2 * c + 1] = _mm512_unpackhi_epi16(even, odd);
+        }
+}
+
+/* One tile: `rows` query rows (q: rows x pairs, uint32 bf16 pairs; rows a multiple of 8, the padding rows with
+   limit 0) where row r sees keys 0 .. limit[r]-1. Writes rows x dim fp32 to out (un-normalised layout fixed). */
+INLINE void prefill_tile(const uint32_t *q, const int64_t *limit, int rows, const prepared_head *h, int chunks,
+                         float scale, float *out) {
+    /* values: group_rows rows x chunks accumulators at a time (16 registers); a constant where this is inlined */
+    int dim = chunks * LANES, pairs = dim / 2, group_rows = LANES / chunks;
+    float logits[TILE_ROWS][KEY_BLOCK], top[TILE_ROWS], total[TILE_ROWS];
+    uint32_t weights[TILE_ROWS][KEY_BLOCK / 2];
+    float acc[TILE_ROWS * MAX_CHUNKS * LANES]; /* each row's running sum of values, in the interleaved order */
+    int64_t keys = 0;
+    for (int r = 0; r < rows; r++) {
+        top[r] = -INFINITY, total[r] = 0.0f;
+        keys = limit[r] > keys ? limit[r] : keys;
+    }
+    memset(acc, 0, sizeof(float) * rows * chunks * LANES);
+    for (int64_t j0 = 0; j0 < keys; j0 += KEY_BLOCK) {
+        for (int r0 = 0; r0 < rows; r0 += 8) { /* logits of 8 rows x 32 keys: 16 accumulators */
+            __m512 dots[8][2];
+            for (int r = 0; r < 8; r++) dots[r][0] = dots[r][1] = _mm512_setzero_ps();
+            for (int p = 0; p < pairs; p++) {
+                __m512bh k0 = (__m512bh)_mm512_loadu_si512(h->kt + p * h->padded + j0);
+                __m512bh k1 = (__m512bh)_mm512_loadu_si512(h->kt + p * h->padded + j0 + LANES);
+                for (int r = 0; r < 8; r++) {
+                    __m512bh b = (__m512bh)_mm512_set1_epi32((int)q[(r0 + r) * pairs + p]);
+                    dots[r][0] = _mm512_dpbf16_ps(dots[r][0], b, k0);
+                    dots[r][1] = _mm512_dpbf16_ps(dots[r][1], b, k1);
+                }
+            }
+            for (int r = 0; r < 8; r++) {
+                _mm512_storeu_ps(logits[r0 + r], _mm512_mul_ps(dots[r][0], _mm512_set1_ps(scale)));
+                _mm512_storeu_ps(logits[r0 + r] + LANES, _mm512_mul_ps(dots[r][1], _mm512_set1_ps(scale)));
+            }
+        }
+        for (int r = 0; r < rows; r++) { /* running softmax: masked keys out, weights to bf16, old sums rescaled */
+            int64_t visible = limit[r] - j0;
+            visible = visible < 0 ? 0 : visible > KEY_BLOCK ? KEY_BLOCK : visible;
+            __mmask16 lo = (__mmask16)(visible >= 16 ? 0xffff : (1u << visible) - 1);
+            __mmask16 hi = (__mmask16)(visible <= 16 ? 0 : visible >= 32 ? 0xffff : (1u << (visible - 16)) - 1);
+            __m512 minus = _mm512_set1_ps(-INFINITY);
+            __m512 s0 = _mm512_mask_blend_ps(lo, minus, _mm512_loadu_ps(logits[r]));
+            __m512 s1 = _mm512_mask_blend_ps(hi, minus, _mm512_loadu_ps(logits[r] + LANES));
+            float block_top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+            float new_top = block_top > top[r] ? block_top : top[r];
+            if (new_top == -INFINITY) { /* nothing visible yet */
+                memset(weights[r], 0, sizeof weights[r]);
+                continue;
+            }
+            __m512 shift = _mm512_set1_ps(new_top);
+            __m512 w0 = exp_nonpositive(_mm512_sub_ps(s0, shift)), w1 = exp_nonpositive(_mm512_sub_ps(s1, shift));
+            _mm512_storeu_si512(weights[r], (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+            float correction = top[r] == -INFINITY ? 0.0f : expf(top[r] - new_top);
+            total[r] = total[r] * correction + _mm512_reduce_add_ps(_mm512_add_ps(w0, w1));
+            top[r] = new_top;
+            if (correction != 1.0f) {
+                __m512 factor = _mm512_set1_ps(correction);
+                for (int c = 0; c < chunks; c++) {
+                    float *a = acc + (r * chunks + c) * LANES;
+                    _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), factor));
+                }
+            }
+        }
+        const __m512i *values = h->vint + (j0 / 2) * chunks;
+        for (int r0 = 0; r0 < rows; r0 += group_rows) { /* values: group_rows rows x chunks accumulators */
+            __m512 sums[LANES];
+            int n = group_rows; /* rows is a multiple of 8, group_rows divides 8 */
+            for (int r = 0; r < n; r++)
+                for (int c = 0; c < chunks; c++) sums[r * chunks + c] = _mm512_loadu_ps(acc + ((r0 + r) * chunks + c) * LANES);
+            for (int jp = 0; jp < KEY_BLOCK / 2; jp++)
+                for (int r = 0; r < n; r++) {
+                    __m512bh w = (__m512bh)_mm512_set1_epi32((int)weights[r0 + r][jp]);
+                    for (int c = 0; c < chunks; c++)
+                        sums[r * chunks + c] = _mm512_dpbf16_ps(sums[r * chunks + c], w, (__m512bh)values[jp * chunks + c]);
+                }
+            for (int r = 0; r < n; r++)
+                for (int c = 0; c < chunks; c++) _mm512_storeu_ps(acc + ((r0 + r) * chunks + c) * LANES, sums[r * chunks + c]);
+        }
+    }
+    for (int r = 0; r < rows; r++) { /* normalise; acc[2c] lane 4L+i is element 32c+8L+i, acc[2c+1] 32c+8L+4+i */
+        float inverse = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
+        const float *a = acc + r * chunks * LANES;
+        for (int c = 0; c < dim / 32; c++)
+            for (int lane = 0; lane < 4; lane++)
+                for (int i = 0; i < 4; i++) {
+                    out[r * dim + c * 32 + 8 * lane + i] = a[(2 * c) * LANES + 4 * lane + i] * inverse;
+                    out[r * dim + c * 32 + 8 * lane + 4 + i] = a[(2 * c + 1) * LANES + 4 * lane + i] * inverse;
+                }
+    }
+}
+
+/* The tile function with its loop bounds fixed for the head sizes models use (64, 128), and one for any size. */
+typedef void (*tile_function)(const uint32_t *, const int64_t *, int, const prepared_head *, int, float, float *);
+#define TILE_VARIANT(NAME, CHUNKS)                                                                                 \
+    static void NAME(const uint32_t *q, const int64_t *limit, int rows, const prepared_head *h, int chunks,       \
+                     float scale, float *out) {                                                                  \
+        (void)chunks;                                                                                            \
+        prefill_tile(q, limit, rows, h, CHUNKS, scale, out);                                                     \
+    }
+TILE_VARIANT(prefill_tile_d64, 4)
+TILE_VARIANT(prefill_tile_d128, 8)
+TILE_VARIANT(prefill_tile_any, chunks)
+#endif
+
+/* Causal attention of `tokens` queries at positions start .. start+tokens-1 against the keys at positions
+   0 .. start+tokens-1 (query t sees keys 0 .. start+t), bf16, for the tokens [first, end) of the segment only (so
+   that threads can share a segment). q, out: (batch, kv_heads * group, tokens, dim) with the given strides (dim
+   contiguous); k, v: (batch, kv_heads, keys, dim) with theirs. dim a multiple of 32, at most 256. Returns 0, or -1
+   for what it does not take or when memory runs out. */
+int prefill_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, int batch,
+                      int kv_heads, int group, int64_t tokens, int64_t first, int64_t end, int dim, int64_t start,
+                      int64_t q_batch, int64_t q_head, int64_t q_token, int64_t kv_batch, int64_t kv_head,
+                      int64_t kv_token, int64_t o_batch, int64_t o_head, int64_t o_token, float scale) {
+#ifndef __AVX512BF16__
+    return -1;
+#else
+    if (dim % 32 || dim > 256 || LANES % (dim / LANES) || group < 1 || group > TILE_ROWS || first < 0 ||
+        end > tokens || first > end)
+        return -1;
+    int64_t length = start + end, padded = (length + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
+    uint32_t *kt = aligned_alloc(64, sizeof(uint32_t) * (size_t)(dim / 2) * padded);
+    __m512i *vint = aligned_alloc(64, sizeof(__m512i) * (size_t)(padded / 2) * (dim / LANES));
+    if (!kt || !vint) {
+        free(kt);
+        free(vint);
+        return -1;
+    }
+    int tile_tokens = TILE_ROWS / group;
+    tile_function tile = dim == 64 ? prefill_tile_d64 : dim == 128 ? prefill_tile_d128 : prefill_tile_any;
+    uint32_t query[TILE_ROWS * 128];
+    int64_t limit[TILE_ROWS];
+    float result[TILE_ROWS * 256];
+    for (int b = 0; b < batch; b++)
+        for (int h = 0; h < kv_heads; h++) {
+            prepare_head(k + b * kv_batch + h * kv_head, v + b * kv_batch + h * kv_head, kv_token, length, dim, kt,
+                         vint, padded);
+            prepared_head head = {kt, vint, padded};
+            for (int64_t t0 = first; t0 < end; t0 += tile_tokens) {
+                int n = end - t0 < tile_tokens ? (int)(end - t0) : tile_tokens;
+                int rows = (n * group + 7) / 8 * 8;
+                for (int r = 0; r < rows; r++) {
+                    int64_t t = t0 + r / group;
+                    int g = r % group;
+                    if (r < n * group) {
+                        memcpy(query + r * (dim / 2), q + b * q_batch + (h * group + g) * q_head + t * q_token,
+                               sizeof(uint16_t) * dim);
+                        limit[r] = start + t + 1;
+                    } else {
+                        memset(query + r * (dim / 2), 0, sizeof(uint16_t) * dim);
+                        limit[r] = 0;
+                    }
+                }
+                tile(query, limit, rows, &head, dim / LANES, scale, result);
+                for (int r = 0; r < n * group; r++) {
+                    uint16_t *o = out + b * o_batch + (h * group + r % group) * o_head + (t0 + r / group) * o_token;
+                    for (int d = 0; d < dim; d++) o[d] = float_to_bf16(result[r * dim + d]);
+                }
+            }
+        }
+    free(kt);
+    free(vint);
+    return 0;
+#endif
+}
+
 /* Whether the kernel takes a cache of this element size (2: bf16, 4: fp32) and head size. */
 int decode_attention_supports(int element_size, int dim) {
     if (element_size == 4) return dim % LANES == 0 && dim / LANES <= MAX_CHUNKS;

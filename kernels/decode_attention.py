@@ -12,6 +12,7 @@ INDEXPOOL_KERNELS=torch, the torch reference runs instead; `indexpool info` says
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -32,6 +33,7 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
 MAX_ROWS = 16  # query heads per KV head, as in the C source
 # decode_attention's arguments, one letter each: p pointer, i int, q int64, f float
 SIGNATURE = "pppppp" + "iiiii" + "qqqq" + "f" + "ppp" + "q"
+PREFILL_SIGNATURE = "pppp" + "iii" + "qqq" + "i" + "q" * 10 + "f"  # prefill_attention's
 
 
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -87,6 +89,19 @@ for size in (4, 2):
         if (status != 0 or any(abs(x - mean) > 1e-2 for x in got)
                 or any(abs(x - logit - math.log(keys)) > 1e-4 for x in lse)):
             sys.exit(f"wrong result (element size {size}, gathered: {extra[0] is not None})")
+if lib.decode_attention_supports(2, dim):  # prefill: 3 queries at positions 34..36, two query heads each
+    lib.prefill_attention.argtypes = [types[code] for code in sys.argv[3]]
+    start, tokens = keys - 3, 3
+    q = ctypes.create_string_buffer(pack([0.5] * 2 * tokens * dim))
+    out = ctypes.create_string_buffer(2 * tokens * dim * 2)
+    status = lib.prefill_attention(q, k, v, out, 1, 1, 2, tokens, 0, tokens, dim, start, 2 * tokens * dim,
+                                   tokens * dim, dim, keys * dim, keys * dim, dim, 2 * tokens * dim, tokens * dim, dim,
+                                   dim ** -0.5)
+    got = [struct.unpack("f", struct.pack("I", h << 16))[0] for h in struct.unpack(f"{2 * tokens * dim}H", out.raw)]
+    means = [sum(j % 4 for j in range(start + t + 1)) / (start + t + 1) for t in range(tokens)]
+    if status != 0 or any(abs(got[(head * tokens + t) * dim + d] - means[t]) > 1e-2
+                          for head in range(2) for t in range(tokens) for d in range(dim)):
+        sys.exit("wrong result (prefill)")
 """
 
 
@@ -120,6 +135,8 @@ def native_library() -> tuple[ctypes.CDLL | None, str]:
     library.decode_attention.restype = ctypes.c_int
     types = {"p": ctypes.c_void_p, "i": ctypes.c_int, "q": ctypes.c_int64, "f": ctypes.c_float}
     library.decode_attention.argtypes = [types[code] for code in SIGNATURE]
+    library.prefill_attention.restype = ctypes.c_int
+    library.prefill_attention.argtypes = [types[code] for code in PREFILL_SIGNATURE]
     library.decode_attention_supports.restype = ctypes.c_int
     library.decode_attention_supports.argtypes = [ctypes.c_int, ctypes.c_int]
     return library, f"C kernel ({path})"
@@ -137,8 +154,8 @@ def _build(compiler: str, directory: Path, path: Path) -> str | None:
                 lines = compiled.stderr.decode(errors="replace").strip().splitlines()
                 error = next((line for line in lines if "error" in line), lines[-1] if lines else "no output")
                 return f"torch (the C kernel did not build: {error.strip()})"
-            tested = subprocess.run([sys.executable, "-c", SELF_TEST, str(built), SIGNATURE], capture_output=True,
-                                    timeout=60)
+            tested = subprocess.run([sys.executable, "-c", SELF_TEST, str(built), SIGNATURE, PREFILL_SIGNATURE],
+                                    capture_output=True, timeout=60)
             if tested.returncode != 0:
                 lines = tested.stderr.decode(errors="replace").strip().splitlines() or [f"exit {tested.returncode}"]
                 return f"torch (the C kernel failed its self-test: {lines[-1]})"
@@ -205,6 +222,52 @@ def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if status != 0:  # a scratch allocation failed
         return None
     return (out, lse) if return_lse else out
+
+
+def prefill_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `native_prefill` runs for these tensors: bf16 on a CPU without AMX (with AMX, PyTorch's flash
+    kernel runs its matmuls on AMX tiles; this kernel's AVX512-BF16 dot products were measured only against the
+    flash kernel on a CPU without them), head sizes 32, 64, 128, 256."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and head_dim in (32, 64, 128, 256)
+            and os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() != "torch"
+            and not _has_amx() and _supports(dtype, head_dim))
+
+
+@functools.cache
+def _has_amx() -> bool:
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(check and check())
+
+
+def native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor | None:
+    """Causal attention of a prompt segment by the C kernel: q (B, H, T, D) at positions start .. start+T-1,
+    k/v (B, KV, start+T, D) (dim contiguous, any other strides; query t sees keys 0 .. start+t); returns
+    (B, H, T, D), or None where `prefill_kernel_runs` says no. With several torch threads the queries are split
+    between as many Python threads (the kernel runs without the GIL), each a share of the causal work."""
+    B, H, T, D = q.shape
+    KV = k.shape[1]
+    if (not prefill_kernel_runs(q.device, q.dtype, D) or k.dtype != q.dtype or v.dtype != q.dtype or H % KV
+            or k.shape != v.shape or k.stride() != v.stride() or k.shape[2] != start + T or q.stride(-1) != 1
+            or k.stride(-1) != 1):
+        return None
+    out = torch.empty(B, H, T, D, dtype=q.dtype)
+    library = native_library()[0]
+    threads = max(1, min(torch.get_num_threads(), T // 64))
+    # Token t costs start + t + 1 keys: split the total into equal shares.
+    work = torch.arange(start + 1, start + T + 1, dtype=torch.float64).cumsum(0)
+    bounds = [0, *(int(torch.searchsorted(work, work[-1] * i / threads)) for i in range(1, threads)), T]
+
+    def run(first: int, end: int) -> int:
+        return library.prefill_attention(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, KV, H // KV, T, first, end, D, start,
+            *q.stride()[:3], *k.stride()[:3], *out.stride()[:3], D**-0.5)
+
+    if threads == 1:
+        statuses = [run(0, T)]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            statuses = list(pool.map(run, bounds[:-1], bounds[1:]))
+    return out if not any(statuses) else None
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

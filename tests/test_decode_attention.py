@@ -128,6 +128,44 @@ def test_kernel_gathers_and_rotates_keys(dtype, dim):
         torch.testing.assert_close(lse.double(), exact_lse, atol=1e-3, rtol=0)
 
 
+PREFILL_SHAPES = [  # (batch, query heads, KV heads, tokens, start, head size, threads)
+    (1, 9, 3, 37, 0, 64, 1),  # the default model's heads, one short first segment
+    (2, 8, 2, 50, 29, 64, 1),  # a later segment: 29 cached tokens before it
+    (1, 6, 6, 5, 70, 128, 1),  # one query head per KV head, head size 128
+    (1, 4, 1, 130, 3, 32, 1),  # group 4, head size 32, three 16-token tiles and a tail
+    (1, 2, 1, 65, 0, 256, 1),  # head size 256
+    (1, 16, 2, 100, 7, 64, 1),  # group 8: a tile of 8 tokens
+    (1, 9, 3, 300, 17, 64, 2),  # split between two threads
+]
+
+
+@pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_prefill_kernel_equals_exact_attention(shape):
+    """The prefill kernel (bf16) against fp64 causal attention, within the bf16 bound of the decode kernel's test
+    and no further from exact than torch's bf16 attention plus one output rounding."""
+    B, H, KV, T, start, D, threads = shape
+    if not decode.prefill_kernel_runs(torch.device("cpu"), torch.bfloat16, D):
+        pytest.skip(f"the C prefill kernel does not run here ({decode.native_library()[1]}; AMX: {decode._has_amx()})")
+    generator = torch.Generator().manual_seed(T + start)
+    q = torch.randn(B, T, H + 2 * KV, D, generator=generator).bfloat16()[:, :, :H].transpose(1, 2)  # as the engine
+    k, v = (torch.randn(B, KV, start + T + 9, D, generator=generator).bfloat16()[:, :, : start + T] for _ in range(2))
+    visible = torch.arange(start + T)[None, :] <= start + torch.arange(T)[:, None]
+    group = H // KV
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1), attn_mask=visible)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = decode.native_prefill(q, k, v, start)
+    finally:
+        torch.set_num_threads(previous)
+    assert got.shape == (B, H, T, D) and got.dtype == torch.bfloat16
+    error = (got.double() - exact).abs().max().item()
+    assert error <= 2**-8 * (v.float().abs().max() + exact.abs().max()).item()
+    torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+    assert error <= (torch_out.double() - exact).abs().max().item() + 2**-9 * exact.abs().max().item()
+
+
 def test_kernel_runs_where_it_says_it_does():
     """The default model's shapes (bf16 where the CPU has AVX512-BF16, fp32) go to the kernel, not the reference."""
     _require_kernel()
