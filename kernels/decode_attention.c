@@ -397,7 +397,7 @@ INLINE void prefill_tile(const uint32_t *q, const int64_t *limit, int rows, cons
             __m512 shift = _mm512_set1_ps(new_top);
             __m512 w0 = exp_nonpositive(_mm512_sub_ps(s0, shift)), w1 = exp_nonpositive(_mm512_sub_ps(s1, shift));
             _mm512_storeu_si512(weights[r], (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
-            float correction = top[r] == -INFINITY ? 0.0f : expf(top[r] - new_top);
+            float correction = new_top == top[r] ? 1.0f : top[r] == -INFINITY ? 0.0f : expf(top[r] - new_top);
             total[r] = total[r] * correction + _mm512_reduce_add_ps(_mm512_add_ps(w0, w1));
             top[r] = new_top;
             if (correction != 1.0f) {
