@@ -331,26 +331,41 @@ typedef struct {
     int64_t padded;         /* keys rounded up to KEY_BLOCK */
 } prepared_head;
 
-static void prepare_head(const uint16_t *keys, const uint16_t *values, int64_t stride, int64_t length, int dim,
-                         uint32_t *kt, __m512i *vint, int64_t padded) {
+/* Transposes a head's keys into pairs and interleaves its values (see above); keys come from rows 0 .. length-1
+   or the rows `index` lists, rotated first when there are RoPE tables (rotate; rounded to bf16 once). */
+static void prepare_head(const head_keys *h, int dim, uint32_t *kt, __m512i *vint, int64_t padded) {
     int pairs = dim / 2, chunks = dim / LANES;
     for (int64_t j = 0; j < padded; j++) {
-        const uint32_t *row = (const uint32_t *)(keys + j * stride);
-        for (int p = 0; p < pairs; p++) kt[p * padded + j] = j < length ? row[p] : 0;
+        if (j >= h->length) {
+            for (int p = 0; p < pairs; p++) kt[p * padded + j] = 0;
+            continue;
+        }
+        uint32_t row[128];
+        if (h->rope_cos) {
+            __m512 x[MAX_CHUNKS];
+            load_key_f32(h, j, chunks, 1, x);
+            for (int c = 0; c < dim / 32; c++) _mm512_storeu_si512(row + c * LANES, (__m512i)_mm512_cvtne2ps_pbh(x[2 * c + 1], x[2 * c]));
+        } else {
+            memcpy(row, row_address(h, h->keys, j, 2), sizeof(uint16_t) * dim);
+        }
+        for (int p = 0; p < pairs; p++) kt[p * padded + j] = row[p];
     }
     for (int64_t j = 0; j < padded; j += 2)
         for (int c = 0; c < dim / 32; c++) {
-            __m512i even = j < length ? _mm512_loadu_si512(values + j * stride + c * 32) : _mm512_setzero_si512();
-            __m512i odd = j + 1 < length ? _mm512_loadu_si512(values + (j + 1) * stride + c * 32) : _mm512_setzero_si512();
+            __m512i even = j < h->length ? _mm512_loadu_si512(row_address(h, h->values, j, 2) + c * 64)
+                                         : _mm512_setzero_si512();
+            __m512i odd = j + 1 < h->length ? _mm512_loadu_si512(row_address(h, h->values, j + 1, 2) + c * 64)
+                                            : _mm512_setzero_si512();
             vint[(j / 2) * chunks + 2 * c] = _mm512_unpacklo_epi16(even, odd);
             vint[(j / 2) * chunks + 2 * c + 1] = _mm512_unpackhi_epi16(even, odd);
         }
 }
 
 /* One tile: `rows` query rows (q: rows x pairs, uint32 bf16 pairs; rows a multiple of 8, the padding rows with
-   limit 0) where row r sees keys 0 .. limit[r]-1. Writes rows x dim fp32 to out (un-normalised layout fixed). */
+   limit 0) where row r sees keys 0 .. limit[r]-1. Writes rows x dim fp32 to out and each row's log-sum-exp of
+   its scaled logits to lse (-inf where it sees nothing). */
 INLINE void prefill_tile(const uint32_t *q, const int64_t *limit, int rows, const prepared_head *h, int chunks,
-                         float scale, float *out) {
+                         float scale, float *out, float *lse) {
     /* values: group_rows rows x chunks accumulators at a time (16 registers); a constant where this is inlined */
     int dim = chunks * LANES, pairs = dim / 2, group_rows = LANES / chunks;
     float logits[TILE_ROWS][KEY_BLOCK], top[TILE_ROWS], total[TILE_ROWS];
@@ -426,6 +441,7 @@ INLINE void prefill_tile(const uint32_t *q, const int64_t *limit, int rows, cons
     }
     for (int r = 0; r < rows; r++) { /* normalise; acc[2c] lane 4L+i is element 32c+8L+i, acc[2c+1] 32c+8L+4+i */
         float inverse = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
+        lse[r] = total[r] > 0.0f ? top[r] + logf(total[r]) : -INFINITY;
         const float *a = acc + r * chunks * LANES;
         for (int c = 0; c < dim / 32; c++)
             for (int lane = 0; lane < 4; lane++)
@@ -437,36 +453,42 @@ INLINE void prefill_tile(const uint32_t *q, const int64_t *limit, int rows, cons
 }
 
 /* The tile function with its loop bounds fixed for the head sizes models use (64, 128), and one for any size. */
-typedef void (*tile_function)(const uint32_t *, const int64_t *, int, const prepared_head *, int, float, float *);
+typedef void (*tile_function)(const uint32_t *, const int64_t *, int, const prepared_head *, int, float, float *,
+                              float *);
 #define TILE_VARIANT(NAME, CHUNKS)                                                                                 \
     static void NAME(const uint32_t *q, const int64_t *limit, int rows, const prepared_head *h, int chunks,       \
-                     float scale, float *out) {                                                                  \
+                     float scale, float *out, float *lse) {                                                      \
         (void)chunks;                                                                                            \
-        prefill_tile(q, limit, rows, h, CHUNKS, scale, out);                                                     \
+        prefill_tile(q, limit, rows, h, CHUNKS, scale, out, lse);                                                \
     }
 TILE_VARIANT(prefill_tile_d64, 4)
 TILE_VARIANT(prefill_tile_d128, 8)
 TILE_VARIANT(prefill_tile_any, chunks)
 #endif
 
-/* Causal attention of `tokens` queries at positions start .. start+tokens-1 against the keys at positions
-   0 .. start+tokens-1 (query t sees keys 0 .. start+t), bf16, for the tokens [first, end) of the segment only (so
-   that threads can share a segment). q, out: (batch, kv_heads * group, tokens, dim) with the given strides (dim
-   contiguous); k, v: (batch, kv_heads, keys, dim) with theirs. dim a multiple of 32, at most 256. Returns 0, or -1
-   for what it does not take or when memory runs out. */
-int prefill_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, int batch,
-                      int kv_heads, int group, int64_t tokens, int64_t first, int64_t end, int dim, int64_t start,
-                      int64_t q_batch, int64_t q_head, int64_t q_token, int64_t kv_batch, int64_t kv_head,
-                      int64_t kv_token, int64_t o_batch, int64_t o_head, int64_t o_token, float scale) {
+/* Attention of many query rows (a prompt segment), bf16. For batch entry b and KV head h, query t of head g of
+   its group is at q + b*q_batch + h*q_kv + g*q_head + t*q_token (dim contiguous; out and lse alike, lse may be
+   NULL); only the queries [first, end) of `tokens` are computed (threads share a segment). The keys: `keys`
+   slots per batch entry, row j of k/v (strides kv_batch, kv_head, kv_token) or, with index (batch, keys), the row
+   it lists; rotated by RoPE tables (keys x dim per batch entry, rope_stride apart) when given. causal_start >= 0:
+   query t sees slots 0 .. causal_start + t; else every slot. dim 32, 64, 128 or 256. Returns 0, or -1 for what it
+   does not take or when memory runs out. */
+int prefill_attention(const uint16_t *q, uint16_t *out, float *lse, const uint16_t *k, const uint16_t *v,
+                      const int64_t *index, const float *rope_cos, const float *rope_sin, int batch, int kv_heads,
+                      int group, int dim, int64_t tokens, int64_t first, int64_t end, int64_t keys,
+                      int64_t causal_start, int64_t rope_stride, int64_t q_batch, int64_t q_kv, int64_t q_head,
+                      int64_t q_token, int64_t o_batch, int64_t o_kv, int64_t o_head, int64_t o_token,
+                      int64_t l_batch, int64_t l_kv, int64_t l_head, int64_t l_token, int64_t kv_batch,
+                      int64_t kv_head, int64_t kv_token, float scale) {
 #ifndef __AVX512BF16__
     return -1;
 #else
     if (dim % 32 || dim > 256 || LANES % (dim / LANES) || group < 1 || group > TILE_ROWS || first < 0 ||
-        end > tokens || first > end)
+        end > tokens || first > end || keys < 0 || (rope_cos && !rope_sin))
         return -1;
-    int64_t length = start + end, padded = (length + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
-    uint32_t *kt = aligned_alloc(64, sizeof(uint32_t) * (size_t)(dim / 2) * padded);
-    __m512i *vint = aligned_alloc(64, sizeof(__m512i) * (size_t)(padded / 2) * (dim / LANES));
+    int64_t padded = (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
+    uint32_t *kt = aligned_alloc(64, sizeof(uint32_t) * (size_t)(dim / 2) * (padded > 0 ? padded : KEY_BLOCK));
+    __m512i *vint = aligned_alloc(64, sizeof(__m512i) * (size_t)(padded / 2 + 1) * (dim / LANES));
     if (!kt || !vint) {
         free(kt);
         free(vint);
@@ -476,31 +498,34 @@ int prefill_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, u
     tile_function tile = dim == 64 ? prefill_tile_d64 : dim == 128 ? prefill_tile_d128 : prefill_tile_any;
     uint32_t query[TILE_ROWS * 128];
     int64_t limit[TILE_ROWS];
-    float result[TILE_ROWS * 256];
+    float result[TILE_ROWS * 256], row_lse[TILE_ROWS];
     for (int b = 0; b < batch; b++)
         for (int h = 0; h < kv_heads; h++) {
-            prepare_head(k + b * kv_batch + h * kv_head, v + b * kv_batch + h * kv_head, kv_token, length, dim, kt,
-                         vint, padded);
+            head_keys source = {k + b * kv_batch + h * kv_head, v + b * kv_batch + h * kv_head, kv_token, keys,
+                                index ? index + (int64_t)b * keys : NULL, rope_cos ? rope_cos + b * rope_stride : NULL,
+                                rope_sin ? rope_sin + b * rope_stride : NULL, NULL};
+            prepare_head(&source, dim, kt, vint, padded);
             prepared_head head = {kt, vint, padded};
             for (int64_t t0 = first; t0 < end; t0 += tile_tokens) {
                 int n = end - t0 < tile_tokens ? (int)(end - t0) : tile_tokens;
                 int rows = (n * group + 7) / 8 * 8;
                 for (int r = 0; r < rows; r++) {
-                    int64_t t = t0 + r / group;
-                    int g = r % group;
+                    int64_t t = t0 + r / group, seen = causal_start < 0 ? keys : causal_start + t + 1;
                     if (r < n * group) {
-                        memcpy(query + r * (dim / 2), q + b * q_batch + (h * group + g) * q_head + t * q_token,
+                        memcpy(query + r * (dim / 2), q + b * q_batch + h * q_kv + (r % group) * q_head + t * q_token,
                                sizeof(uint16_t) * dim);
-                        limit[r] = start + t + 1;
+                        limit[r] = seen < keys ? seen : keys;
                     } else {
                         memset(query + r * (dim / 2), 0, sizeof(uint16_t) * dim);
                         limit[r] = 0;
                     }
                 }
-                tile(query, limit, rows, &head, dim / LANES, scale, result);
+                tile(query, limit, rows, &head, dim / LANES, scale, result, row_lse);
                 for (int r = 0; r < n * group; r++) {
-                    uint16_t *o = out + b * o_batch + (h * group + r % group) * o_head + (t0 + r / group) * o_token;
+                    int64_t t = t0 + r / group, g = r % group;
+                    uint16_t *o = out + b * o_batch + h * o_kv + g * o_head + t * o_token;
                     for (int d = 0; d < dim; d++) o[d] = float_to_bf16(result[r * dim + d]);
+                    if (lse) lse[b * l_batch + h * l_kv + g * l_head + t * l_token] = row_lse[r];
                 }
             }
         }

@@ -33,7 +33,7 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
 MAX_ROWS = 16  # query heads per KV head, as in the C source
 # decode_attention's arguments, one letter each: p pointer, i int, q int64, f float
 SIGNATURE = "pppppp" + "iiiii" + "qqqq" + "f" + "ppp" + "q"
-PREFILL_SIGNATURE = "pppp" + "iii" + "qqq" + "i" + "q" * 10 + "f"  # prefill_attention's
+PREFILL_SIGNATURE = "pppppppp" + "iiii" + "q" * 6 + "q" * 12 + "qqq" + "f"  # prefill_attention's
 
 
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -94,9 +94,10 @@ if lib.decode_attention_supports(2, dim):  # prefill: 3 queries at positions 34.
     start, tokens = keys - 3, 3
     q = ctypes.create_string_buffer(pack([0.5] * 2 * tokens * dim))
     out = ctypes.create_string_buffer(2 * tokens * dim * 2)
-    status = lib.prefill_attention(q, k, v, out, 1, 1, 2, tokens, 0, tokens, dim, start, 2 * tokens * dim,
-                                   tokens * dim, dim, keys * dim, keys * dim, dim, 2 * tokens * dim, tokens * dim, dim,
-                                   dim ** -0.5)
+    status = lib.prefill_attention(q, out, None, k, v, None, None, None, 1, 1, 2, dim, tokens, 0, tokens, keys,
+                                   start, 0, 2 * tokens * dim, 2 * tokens * dim, tokens * dim, dim,
+                                   2 * tokens * dim, 2 * tokens * dim, tokens * dim, dim, 0, 0, 0, 0,
+                                   keys * dim, keys * dim, dim, dim ** -0.5)
     got = [struct.unpack("f", struct.pack("I", h << 16))[0] for h in struct.unpack(f"{2 * tokens * dim}H", out.raw)]
     means = [sum(j % 4 for j in range(start + t + 1)) / (start + t + 1) for t in range(tokens)]
     if status != 0 or any(abs(got[(head * tokens + t) * dim + d] - means[t]) > 1e-2
@@ -190,8 +191,9 @@ def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                      return_lse: bool = False, index: torch.Tensor | None = None,
                      rope: tuple[torch.Tensor, torch.Tensor] | None = None):
     """`decode_attention_reference` by the C kernel, with return_lse also the fp32 log-sum-exp (B, KV, R) of the
-    scaled, masked logits; None where the kernel does not run (not a CPU, INDEXPOOL_KERNELS=torch, not built, more
-    than 16 rows per KV head, a dtype or head size it does not take, a mask that varies by head or row).
+    scaled, masked logits; None where the kernel does not run (not a CPU, INDEXPOOL_KERNELS=torch, not built, a
+    dtype or head size it does not take, a mask that varies by head or row). More than 16 rows per KV head go to
+    the prefill kernel (`native_prefill`; no mask).
 
     index (B, N) int64: each batch entry attends to the N tokens it lists of k/v, which are then one store
     (1, KV, tokens, D) shared by the batch. rope (cos, sin), each (N, D) fp32: key n is rotated before use as
@@ -199,8 +201,10 @@ def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     (B, N, D), a table per batch entry."""
     B, KV, R, D = q.shape
     S = k.shape[2] if index is None else index.shape[1]
+    if R > MAX_ROWS:  # a prompt segment's rows: the prefill kernel, where it runs
+        return None if mask is not None else native_prefill(q, k, v, index=index, rope=rope, return_lse=return_lse)
     if (q.device.type != "cpu" or os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() == "torch"
-            or not _supports(q.dtype, D) or k.dtype != q.dtype or v.dtype != q.dtype or R > MAX_ROWS
+            or not _supports(q.dtype, D) or k.dtype != q.dtype or v.dtype != q.dtype
             or k.stride() != v.stride() or k.stride(-1) != 1 or k.shape != v.shape
             or k.shape[:2] != ((B if index is None else 1), KV)
             or (index is not None and (index.shape[0] != B or index.dtype != torch.int64))
@@ -239,35 +243,57 @@ def _has_amx() -> bool:
     return bool(check and check())
 
 
-def native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor | None:
-    """Causal attention of a prompt segment by the C kernel: q (B, H, T, D) at positions start .. start+T-1,
-    k/v (B, KV, start+T, D) (dim contiguous, any other strides; query t sees keys 0 .. start+t); returns
-    (B, H, T, D), or None where `prefill_kernel_runs` says no. With several torch threads the queries are split
-    between as many Python threads (the kernel runs without the GIL), each a share of the causal work."""
+def native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | None = None, *,
+                   index: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   return_lse: bool = False):
+    """Attention of many queries (a prompt segment) by the C prefill kernel: q (B, H, T, D) against k/v
+    (B, KV, S, D) (dim contiguous, any other strides), or with index (B, N) against the N rows it lists of k/v
+    (1, KV, tokens, D), rotated by rope (cos, sin) as in `native_attention`. start None: every query sees every
+    key; start s: query t sees keys 0 .. s+t (causal, the queries at positions s..s+T-1). Returns (B, H, T, D), with
+    return_lse also the fp32 log-sum-exp (B, H, T) of the scaled logits; None where `prefill_kernel_runs` says no.
+    With several torch threads the queries are split between as many Python threads (the kernel runs without the
+    GIL), each a share of the work."""
     B, H, T, D = q.shape
     KV = k.shape[1]
+    S = k.shape[2] if index is None else index.shape[1]
     if (not prefill_kernel_runs(q.device, q.dtype, D) or k.dtype != q.dtype or v.dtype != q.dtype or H % KV
-            or k.shape != v.shape or k.stride() != v.stride() or k.shape[2] != start + T or q.stride(-1) != 1
-            or k.stride(-1) != 1):
+            or k.shape != v.shape or k.stride() != v.stride() or q.stride(-1) != 1 or k.stride(-1) != 1
+            or k.shape[0] != (B if index is None else 1) or (start is not None and S != start + T)
+            or (index is not None and (index.shape[0] != B or index.dtype != torch.int64))
+            or (rope is not None and any(t.shape[-2:] != (S, D) or t.dim() not in (2, 3) or t.shape[:-2] not in ((), (B,))
+                                         for t in rope))):
         return None
     out = torch.empty(B, H, T, D, dtype=q.dtype)
-    library = native_library()[0]
+    lse = torch.empty(B, H, T) if return_lse else None
+    index = None if index is None else index.contiguous()
+    cos, sin = (None, None) if rope is None else (t.float().contiguous() for t in rope)
+    library, group = native_library()[0], H // KV
     threads = max(1, min(torch.get_num_threads(), T // 64))
-    # Token t costs start + t + 1 keys: split the total into equal shares.
-    work = torch.arange(start + 1, start + T + 1, dtype=torch.float64).cumsum(0)
+    # Query t costs as many keys as it sees: split the total into equal shares.
+    if start is None:
+        work = torch.full((T,), float(S), dtype=torch.float64).cumsum(0)
+    else:
+        work = torch.arange(start + 1, start + T + 1, dtype=torch.float64).cumsum(0)
     bounds = [0, *(int(torch.searchsorted(work, work[-1] * i / threads)) for i in range(1, threads)), T]
+    pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    per_head = lambda t: (t.stride(0), t.stride(1) * group, t.stride(1), t.stride(2))  # noqa: E731
 
     def run(first: int, end: int) -> int:
         return library.prefill_attention(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, KV, H // KV, T, first, end, D, start,
-            *q.stride()[:3], *k.stride()[:3], *out.stride()[:3], D**-0.5)
+            q.data_ptr(), out.data_ptr(), pointer(lse), k.data_ptr(), v.data_ptr(), pointer(index), pointer(cos),
+            pointer(sin), B, KV, group, D, T, first, end, S, -1 if start is None else start,
+            0 if rope is None or cos.dim() == 2 else S * D, *per_head(q), *per_head(out),
+            *(per_head(lse) if lse is not None else (0, 0, 0, 0)), 0 if index is not None else k.stride(0),
+            k.stride(1), k.stride(2), D**-0.5)
 
     if threads == 1:
         statuses = [run(0, T)]
     else:
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             statuses = list(pool.map(run, bounds[:-1], bounds[1:]))
-    return out if not any(statuses) else None
+    if any(statuses):
+        return None
+    return (out, lse) if return_lse else out
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -100,14 +100,18 @@ def test_kernel_log_sum_exp(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dim", [64, 96])
-def test_kernel_gathers_and_rotates_keys(dtype, dim):
+@pytest.mark.parametrize("dim,R", [(64, 3), (96, 3), (64, 40), (128, 40)])
+def test_kernel_gathers_and_rotates_keys(dtype, dim, R):
     """IndexPool's far part: two query blocks, each attending to its own 37 of a 300-token store's rows (every
     other row NaN: a wrong row would show), keys rotated at per-slot angles. Against fp64 attention on the same
-    rows rotated in fp64 (bf16: then rounded to bf16, as the kernel rounds its fp32 rotation; bound as above)."""
+    rows rotated in fp64 (bf16: then rounded to bf16, as the kernel rounds its fp32 rotation; bound as above).
+    3 query rows per KV head: the decode kernel; 40 (a prompt's block): the prefill kernel (bf16 only)."""
     _require_kernel()
+    if R > decode.MAX_ROWS and not decode.prefill_kernel_runs(torch.device("cpu"), dtype, dim):
+        assert decode.native_attention(*(torch.zeros(1, 1, R, dim, dtype=dtype),) * 3) is None
+        return
     generator = torch.Generator().manual_seed(dim)
-    B, KV, R, N, tokens = 2, 3, 3, 37, 300
+    B, KV, N, tokens = 2, 3, 37, 300
     q = torch.randn(B, KV, R, dim, generator=generator).to(dtype)
     index = torch.stack([torch.randperm(tokens // 2, generator=generator)[:N].sort().values * 2 for _ in range(B)])
     store = torch.full((2, 1, KV, tokens, dim), float("nan"), dtype=dtype)
@@ -142,7 +146,8 @@ PREFILL_SHAPES = [  # (batch, query heads, KV heads, tokens, start, head size, t
 @pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_prefill_kernel_equals_exact_attention(shape):
     """The prefill kernel (bf16) against fp64 causal attention, within the bf16 bound of the decode kernel's test
-    and no further from exact than torch's bf16 attention plus one output rounding."""
+    and no further from exact than torch's bf16 attention plus one output rounding; its log-sum-exp within 1e-4
+    (q . k exact, fp32 sums over at most 317 keys)."""
     B, H, KV, T, start, D, threads = shape
     if not decode.prefill_kernel_runs(torch.device("cpu"), torch.bfloat16, D):
         pytest.skip(f"the C prefill kernel does not run here ({decode.native_library()[1]}; AMX: {decode._has_amx()})")
@@ -156,10 +161,13 @@ def test_prefill_kernel_equals_exact_attention(shape):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = decode.native_prefill(q, k, v, start)
+        got, lse = decode.native_prefill(q, k, v, start, return_lse=True)
     finally:
         torch.set_num_threads(previous)
     assert got.shape == (B, H, T, D) and got.dtype == torch.bfloat16
+    logits = q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2) * D**-0.5
+    torch.testing.assert_close(lse.double(), logits.masked_fill(~visible, float("-inf")).logsumexp(-1), atol=1e-4,
+                               rtol=0)
     error = (got.double() - exact).abs().max().item()
     assert error <= 2**-8 * (v.float().abs().max() + exact.abs().max()).item()
     torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
@@ -271,3 +279,40 @@ def test_engine_decodes_the_same_through_the_kernel(attention, monkeypatch):
     native = logits()
     monkeypatch.setenv("INDEXPOOL_KERNELS", "torch")
     torch.testing.assert_close(native, logits(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["dense", "indexpool"])
+def test_bf16_engine_reads_through_the_prefill_kernel(attention, monkeypatch):
+    """A tiny bf16 model (head size 32) reads a prompt (IndexPool: past its context, in 40-token segments whose
+    window, own and far parts each have more than 16 rows) through the prefill kernel: its logits are no further
+    from the same weights' fp32 logits than the torch path's, plus one bf16 rounding of the largest logit."""
+    if not decode.prefill_kernel_runs(torch.device("cpu"), torch.bfloat16, 32):
+        pytest.skip(f"the C prefill kernel does not run here ({decode.native_library()[1]}; AMX: {decode._has_amx()})")
+    import copy
+    from dataclasses import replace
+
+    from model.generate import Session
+    from model.indexpool_cache import IndexPoolConfig
+    from model.llama import Transformer
+    from tests.test_indexpool_cache import CONFIG, prompts_for
+
+    torch.manual_seed(3)
+    model = Transformer(replace(CONFIG, head_dim=32)).eval().to(torch.bfloat16)
+    settings = dict(kpool=4, topk=8, window=8, sinks=4, segment=40, query_tokens=6, query_block=2, segment_block=20,
+                    segment_queries=3, segment_candidates=5)
+    prompt = prompts_for(5, [150 if attention == "indexpool" else 60])[0]
+
+    def logits(model) -> torch.Tensor:
+        session = Session(model, 256, attention=IndexPoolConfig(**settings) if attention == "indexpool" else None)
+        return session.prefill(prompt).float()
+
+    library = decode.native_library()[0]
+    calls, kernel = [], library.prefill_attention
+    monkeypatch.setattr(library, "prefill_attention", lambda *args: calls.append(1) or kernel(*args))
+    native = logits(model)
+    assert calls  # the kernel ran
+    monkeypatch.setenv("INDEXPOOL_KERNELS", "torch")
+    torch_path = logits(model)
+    exact = logits(copy.deepcopy(model).float())  # the same weights, widened
+    native_error, torch_error = ((t - exact).abs().max().item() for t in (native, torch_path))
+    assert native_error <= torch_error + 2**-8 * exact.abs().max().item()
