@@ -653,7 +653,7 @@ def info(
     glm5_next's own cache) and the cache size at --tokens."""
     import torch
 
-    from kernels.decode_attention import decode_attention_path
+    from kernels.cpu_attention import decode_attention_path, prefill_attention_path
     from model.quant import DecodeQuantLinear
 
     lengths = _token_counts(tokens)
@@ -691,6 +691,7 @@ def info(
         "kv_cache_bytes_per_token": cfg.kv_bytes_per_token(m.dtype),
         "decode_weights": "+".join(f"int{b}" for b in sorted({q.bits for q in m.modules() if isinstance(q, DecodeQuantLinear)})) or "same as dtype",
         "decode_attention": decode_attention_path(next(m.parameters()).device, m.dtype, cfg.head_dim),
+        "prefill_attention": prefill_attention_path(next(m.parameters()).device, m.dtype, cfg.head_dim),
     }
     facts.update(_indexpool_bytes(loaded))
     facts["cache_bytes"] = {str(n): _llama_cache_bytes(facts, n) for n in lengths}

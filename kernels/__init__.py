@@ -7,8 +7,8 @@ Public ops (tensor in, tensor out; each picks its path with `kernel_backend`):
     from `far_rope_tables`) plus the recent window, in one online softmax.
 Each has a `*_reference` twin in plain torch, which is also the CPU path.
 
-`kernels.decode_attention` (imported on its own, no Triton) is the CPU side: one-query attention for decode steps
-in C, compiled on first use, next to its torch reference; INDEXPOOL_KERNELS=torch turns it off too.
+`kernels.cpu_attention` (imported on its own, no Triton) is the CPU side: decode and prefill attention in C,
+compiled on first use, next to their torch reference; INDEXPOOL_KERNELS=torch turns them off too.
 
 Backend: Triton on CUDA devices, torch elsewhere. `INDEXPOOL_KERNELS=auto|torch|triton` forces one; Triton on
 the CPU runs only in Triton's interpreter (`TRITON_INTERPRET=1`, set before Triton is imported), which the tests use.

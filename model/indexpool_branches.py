@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.decode_attention import native_attention
+from kernels.cpu_attention import native_attention
 
 from .indexpool_cache import (AttentionEvidence, IndexPoolCache, attention_with_lse, gathered_key_logits,
                               gathered_key_mass, merge_attention)

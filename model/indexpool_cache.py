@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import kernel_backend
-from kernels.decode_attention import native_attention, native_prefill
+from kernels.cpu_attention import native_attention, native_prefill
 
 from .indexers import Indexer
 from .indexpool import FP8_DTYPE, PooledIndexCache, indexer_source_layers
@@ -611,7 +611,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     """Softmax attention (B, heads, L, D) and the fp32 log-sum-exp of its scaled logits (B, heads, L), so that
     attention over a union of key sets can be merged from its parts. causal: query i sees keys 0..i (L == S).
     mask: an additive fp32 mask broadcastable to (B, heads, L, S); a row must see at least one key.
-    On the CPU the C kernels take it where they run (kernels/decode_attention.py: a few query rows per head, or
+    On the CPU the C kernels take it where they run (kernels/cpu_attention.py: a few query rows per head, or
     bf16 without AMX), else PyTorch's flash kernel, all returning both; elsewhere this is the plain fp32
     reference."""
     if q.device.type == "cpu":

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.decode_attention import decode_attention, native_prefill
+from kernels.cpu_attention import decode_attention, native_prefill
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Decode attention (kernels/decode_attention.py): the torch reference against PyTorch's grouped-query attention, and
+"""CPU attention in C (kernels/cpu_attention.py): the torch reference against PyTorch's grouped-query attention, and
 the C kernel against exact attention on awkward shapes (lengths off the 16- and 64-key blocks, one key, masked
 rows, head sizes the kernel specialises and others it falls back on), plus its fallback when it cannot be built."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import decode_attention as decode
+from kernels import cpu_attention as cpu
 
 # (batch, query heads, KV heads, keys, head size, per-sequence visible lengths or None)
 SHAPES = [
@@ -45,7 +45,7 @@ def _exact(q, k, v, mask, return_lse=False):
 
 
 def _require_kernel():
-    library, origin = decode.native_library()
+    library, origin = cpu.native_library()
     if library is None:
         pytest.skip(f"the C decode-attention kernel is not available here: {origin}")
 
@@ -58,7 +58,7 @@ def test_reference_equals_grouped_query_attention(dtype, masked):
     q, k, v, mask = _inputs(3, 12, 4, 37, 16, [37, 5, 20] if masked else None, dtype)
     heads = q.reshape(3, 12, 1, 16)  # query head h is row h % 3 of KV head h // 3
     expected = torch.nn.functional.scaled_dot_product_attention(heads, k, v, attn_mask=mask, enable_gqa=True)
-    got = decode.decode_attention_reference(q, k, v, mask)
+    got = cpu.decode_attention_reference(q, k, v, mask)
     assert got.shape == (3, 4, 3, 16)
     expected = expected.view(got.shape)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -75,14 +75,14 @@ def test_kernel_equals_exact_attention(shape, dtype):
     _require_kernel()
     q, k, v, mask = _inputs(*shape, dtype)
     exact = _exact(q, k, v, mask)
-    got = decode.decode_attention(q, k, v, mask)
+    got = cpu.decode_attention(q, k, v, mask)
     assert got.shape == exact.shape and got.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(got.double(), exact, atol=1e-6, rtol=0)
     else:
         error = (got.double() - exact).abs().max().item()
         assert error <= 2**-8 * (v.float().abs().max() + exact.abs().max()).item()
-        torch_error = (decode.decode_attention_reference(q, k, v, mask).double() - exact).abs().max().item()
+        torch_error = (cpu.decode_attention_reference(q, k, v, mask).double() - exact).abs().max().item()
         assert error <= torch_error + 2**-9 * exact.abs().max().item()
 
 
@@ -92,11 +92,11 @@ def test_kernel_log_sum_exp(dtype):
     rounded inputs: within 1e-5), which the IndexPool cache merges its window and far parts by."""
     _require_kernel()
     q, k, v, mask = _inputs(3, 12, 4, 137, 64, [137, 5, 70], dtype)
-    out, lse = decode.native_attention(q, k, v, mask, return_lse=True)
+    out, lse = cpu.native_attention(q, k, v, mask, return_lse=True)
     exact_out, exact_lse = _exact(q, k, v, mask, return_lse=True)
     assert lse.shape == (3, 4, 3) and lse.dtype == torch.float32
     torch.testing.assert_close(lse.double(), exact_lse, atol=1e-5, rtol=0)
-    assert torch.equal(out, decode.decode_attention(q, k, v, mask))
+    assert torch.equal(out, cpu.decode_attention(q, k, v, mask))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -107,8 +107,8 @@ def test_kernel_gathers_and_rotates_keys(dtype, dim, R):
     rows rotated in fp64 (bf16: then rounded to bf16, as the kernel rounds its fp32 rotation; bound as above).
     3 query rows per KV head: the decode kernel; 40 (a prompt's block): the prefill kernel (bf16 only)."""
     _require_kernel()
-    if R > decode.MAX_ROWS and not decode.prefill_kernel_runs(torch.device("cpu"), dtype, dim):
-        assert decode.native_attention(*(torch.zeros(1, 1, R, dim, dtype=dtype),) * 3) is None
+    if R > cpu.MAX_ROWS and not cpu.prefill_kernel_runs(torch.device("cpu"), dtype, dim):
+        assert cpu.native_attention(*(torch.zeros(1, 1, R, dim, dtype=dtype),) * 3) is None
         return
     generator = torch.Generator().manual_seed(dim)
     B, KV, N, tokens = 2, 3, 37, 300
@@ -123,7 +123,7 @@ def test_kernel_gathers_and_rotates_keys(dtype, dim, R):
     if dtype == torch.bfloat16:
         rotated = rotated.to(dtype).double()
     exact, exact_lse = _exact(q, rotated, v, None, return_lse=True)
-    got, lse = decode.native_attention(q, store[0], store[1], return_lse=True, index=index, rope=(cos, sin))
+    got, lse = cpu.native_attention(q, store[0], store[1], return_lse=True, index=index, rope=(cos, sin))
     if dtype == torch.float32:
         torch.testing.assert_close(got.double(), exact, atol=1e-6, rtol=0)
         torch.testing.assert_close(lse.double(), exact_lse, atol=1e-5, rtol=0)
@@ -149,8 +149,8 @@ def test_prefill_kernel_equals_exact_attention(shape):
     and no further from exact than torch's bf16 attention plus one output rounding; its log-sum-exp within 1e-4
     (q . k exact, fp32 sums over at most 317 keys)."""
     B, H, KV, T, start, D, threads = shape
-    if not decode.prefill_kernel_runs(torch.device("cpu"), torch.bfloat16, D):
-        pytest.skip(f"the C prefill kernel does not run here ({decode.native_library()[1]}; AMX: {decode._has_amx()})")
+    if not cpu.prefill_kernel_runs(torch.device("cpu"), torch.bfloat16, D):
+        pytest.skip(f"the C prefill kernel does not run here ({cpu.native_library()[1]}; AMX: {cpu._has_amx()})")
     generator = torch.Generator().manual_seed(T + start)
     q = torch.randn(B, T, H + 2 * KV, D, generator=generator).bfloat16()[:, :, :H].transpose(1, 2)  # as the engine
     k, v = (torch.randn(B, KV, start + T + 9, D, generator=generator).bfloat16()[:, :, : start + T] for _ in range(2))
@@ -161,7 +161,7 @@ def test_prefill_kernel_equals_exact_attention(shape):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got, lse = decode.native_prefill(q, k, v, start, return_lse=True)
+        got, lse = cpu.native_prefill(q, k, v, start, return_lse=True)
     finally:
         torch.set_num_threads(previous)
     assert got.shape == (B, H, T, D) and got.dtype == torch.bfloat16
@@ -177,9 +177,9 @@ def test_prefill_kernel_equals_exact_attention(shape):
 def test_kernel_runs_where_it_says_it_does():
     """The default model's shapes (bf16 where the CPU has AVX512-BF16, fp32) go to the kernel, not the reference."""
     _require_kernel()
-    assert decode.decode_attention_path("cpu", torch.float32, 64) == decode.native_library()[1]
-    assert "does not take" in decode.decode_attention_path("cpu", torch.float16, 64)
-    assert decode.decode_attention_path("cuda", torch.bfloat16, 64).startswith("torch")
+    assert cpu.decode_attention_path("cpu", torch.float32, 64) == cpu.native_library()[1]
+    assert "does not take" in cpu.decode_attention_path("cpu", torch.float16, 64)
+    assert cpu.decode_attention_path("cuda", torch.bfloat16, 64).startswith("torch")
 
 
 def test_every_key_masked_gives_zeros():
@@ -188,43 +188,43 @@ def test_every_key_masked_gives_zeros():
     q, k, v, _ = _inputs(2, 4, 2, 21, 64, None, torch.float32)
     mask = torch.zeros(2, 1, 1, 21)
     mask[1] = float("-inf")
-    got = decode.decode_attention(q, k, v, mask)
+    got = cpu.decode_attention(q, k, v, mask)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     torch.testing.assert_close(got[0].double(), _exact(q[:1], k[:1], v[:1], None)[0], atol=1e-6, rtol=0)
-    assert decode.native_attention(q, k, v, mask, return_lse=True)[1][1].eq(float("-inf")).all()
+    assert cpu.native_attention(q, k, v, mask, return_lse=True)[1][1].eq(float("-inf")).all()
 
 
 def test_switch_to_torch(monkeypatch):
     """INDEXPOOL_KERNELS=torch runs the reference: the same values as the SDPA path, bit for bit."""
     q, k, v, mask = _inputs(3, 12, 4, 37, 64, [37, 5, 20], torch.float32)
     monkeypatch.setenv("INDEXPOOL_KERNELS", "torch")
-    assert decode.decode_attention_path("cpu", torch.float32, 64) == "torch (INDEXPOOL_KERNELS=torch)"
-    assert torch.equal(decode.decode_attention(q, k, v, mask), decode.decode_attention_reference(q, k, v, mask))
+    assert cpu.decode_attention_path("cpu", torch.float32, 64) == "torch (INDEXPOOL_KERNELS=torch)"
+    assert torch.equal(cpu.decode_attention(q, k, v, mask), cpu.decode_attention_reference(q, k, v, mask))
 
 
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
     """An empty cache directory and no built kernel; the real one is found again afterwards."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    decode.native_library.cache_clear()
-    decode._supports.cache_clear()
+    cpu.native_library.cache_clear()
+    cpu._supports.cache_clear()
     yield tmp_path
-    decode.native_library.cache_clear()
-    decode._supports.cache_clear()
+    cpu.native_library.cache_clear()
+    cpu._supports.cache_clear()
 
 
 def test_without_a_compiler_torch_runs(fresh_build, monkeypatch):
     monkeypatch.setenv("CC", str(fresh_build / "no-such-cc"))
-    library, origin = decode.native_library()
+    library, origin = cpu.native_library()
     assert library is None and origin.startswith("torch (the C kernel did not build:")
-    assert decode.decode_attention_path("cpu", torch.bfloat16, 64) == origin
+    assert cpu.decode_attention_path("cpu", torch.bfloat16, 64) == origin
     q, k, v, mask = _inputs(3, 12, 4, 37, 64, [37, 5, 20], torch.float32)
-    assert torch.equal(decode.decode_attention(q, k, v, mask), decode.decode_attention_reference(q, k, v, mask))
+    assert torch.equal(cpu.decode_attention(q, k, v, mask), cpu.decode_attention_reference(q, k, v, mask))
     kernels_dir = fresh_build / "indexpool" / "kernels"
     assert not list(kernels_dir.glob("*.so")) and [p.suffix for p in kernels_dir.iterdir()] == [".failed"]
-    decode.native_library.cache_clear()  # a later run does not try again
-    monkeypatch.setattr(decode, "_build", lambda *args: pytest.fail("rebuilt after a failed build"))
-    assert decode.native_library() == (None, origin)
+    cpu.native_library.cache_clear()  # a later run does not try again
+    monkeypatch.setattr(cpu, "_build", lambda *args: pytest.fail("rebuilt after a failed build"))
+    assert cpu.native_library() == (None, origin)
 
 
 def test_a_library_that_faults_is_not_used(fresh_build, monkeypatch):
@@ -237,13 +237,13 @@ def test_a_library_that_faults_is_not_used(fresh_build, monkeypatch):
                     'exec cc -shared -fPIC "$out.c" -o "$out"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
-    library, origin = decode.native_library()
+    library, origin = cpu.native_library()
     assert library is None and origin.startswith("torch (the C kernel failed its self-test:"), origin
     assert not list((fresh_build / "indexpool" / "kernels").glob("*.so"))
 
 
 def test_build_lands_in_the_cache_directory(fresh_build):
-    library, origin = decode.native_library()
+    library, origin = cpu.native_library()
     if library is None:
         pytest.skip(f"the C decode-attention kernel does not build here: {origin}")
     built = list((fresh_build / "indexpool" / "kernels").iterdir())
@@ -286,8 +286,8 @@ def test_bf16_engine_reads_through_the_prefill_kernel(attention, monkeypatch):
     """A tiny bf16 model (head size 32) reads a prompt (IndexPool: past its context, in 40-token segments whose
     window, own and far parts each have more than 16 rows) through the prefill kernel: its logits are no further
     from the same weights' fp32 logits than the torch path's, plus one bf16 rounding of the largest logit."""
-    if not decode.prefill_kernel_runs(torch.device("cpu"), torch.bfloat16, 32):
-        pytest.skip(f"the C prefill kernel does not run here ({decode.native_library()[1]}; AMX: {decode._has_amx()})")
+    if not cpu.prefill_kernel_runs(torch.device("cpu"), torch.bfloat16, 32):
+        pytest.skip(f"the C prefill kernel does not run here ({cpu.native_library()[1]}; AMX: {cpu._has_amx()})")
     import copy
     from dataclasses import replace
 
@@ -306,7 +306,7 @@ def test_bf16_engine_reads_through_the_prefill_kernel(attention, monkeypatch):
         session = Session(model, 256, attention=IndexPoolConfig(**settings) if attention == "indexpool" else None)
         return session.prefill(prompt).float()
 
-    library = decode.native_library()[0]
+    library = cpu.native_library()[0]
     calls, kernel = [], library.prefill_attention
     monkeypatch.setattr(library, "prefill_attention", lambda *args: calls.append(1) or kernel(*args))
     native = logits(model)

@@ -1,13 +1,16 @@
-"""One-query attention for decode steps on the CPU: a small C kernel (`decode_attention.c`) next to its torch
-reference.
+"""Attention on the CPU in C (`cpu_attention.c`), next to its torch reference: a decode kernel and a prefill kernel.
 
 A decode step's attention reads the whole K/V cache for one query per sequence. torch's SDPA read a bf16 cache at
 about a quarter of the memory bandwidth one core has on the AVX512-BF16 CPU measured, and at 4K context that was
-half of a decode step (docs/benchmarks.md). The C kernel reads each cached key and value once for all the query
-heads of its KV head. It needs AVX-512 (and AVX512-BF16 for bf16 caches); it is compiled on first use with the
-system's C compiler (`$CC`, else `cc`) for this CPU (`-march=native`), into the indexpool cache directory, and
-loaded with ctypes: no build step at install. Without a compiler or those instructions, on GPUs, or with
-INDEXPOOL_KERNELS=torch, the torch reference runs instead; `indexpool info` says which.
+half of a decode step (docs/benchmarks.md). The decode kernel reads each cached key and value once for all the
+query heads of its KV head (and for IndexPool gathers the selected tokens and rotates their keys itself). The
+prefill kernel computes a prompt segment's attention with bf16 dot products laid out as outer products, about twice
+as fast as PyTorch's flash kernel on that CPU; it runs only where that was measured: bf16 without AMX.
+
+Both need AVX-512 (and AVX512-BF16 for bf16). The library is compiled on first use with the system's C compiler
+(`$CC`, else `cc`) for this CPU (`-march=native`), checked in a child process, and kept in the indexpool cache
+directory; no build step at install. Without a compiler or those instructions, on GPUs, or with
+INDEXPOOL_KERNELS=torch, the torch path runs instead; `indexpool info` says which.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 
 from . import BACKEND_VARIABLE
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
 MAX_ROWS = 16  # query heads per KV head, as in the C source
 # decode_attention's arguments, one letter each: p pointer, i int, q int64, f float
@@ -117,7 +120,7 @@ def native_library() -> tuple[ctypes.CDLL | None, str]:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join((compiler, *FLAGS)).encode(), _cpu_identity().encode()]))
     directory = default_cache_dir("kernels")
-    path = directory / f"decode_attention-{key.hexdigest()[:16]}.so"
+    path = directory / f"cpu_attention-{key.hexdigest()[:16]}.so"
     failed = path.with_suffix(".failed")
     if not path.exists():
         if failed.exists():
@@ -294,6 +297,15 @@ def native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
     if any(statuses):
         return None
     return (out, lse) if return_lse else out
+
+
+def prefill_attention_path(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> str:
+    """Which code runs a prompt segment's attention for this dtype and head size, and why."""
+    if prefill_kernel_runs(torch.device(device), dtype, head_dim):
+        return native_library()[1]
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and _has_amx():
+        return "torch (this CPU has AMX, which PyTorch's flash kernel uses)"
+    return "torch"
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -1,14 +1,18 @@
-/* One-query attention for CPU decode steps: each KV head's query rows against that head's cached keys and values.
+/* Attention on the CPU: a decode kernel (`decode_attention`: one query per sequence, a few query rows per KV
+   head) and a prefill kernel (`prefill_attention`: a prompt segment's many rows), AVX-512.
 
-   Built on first use by kernels/decode_attention.py (cc -O3 -march=native) and called through ctypes; the torch
-   reference sits next to it there. Needs AVX-512. Every cached key and value is read from memory once per step for
-   all the query rows of its KV head. Two passes per head: scores, 16 keys at a time (their dot products reduced
-   together, not one horizontal sum per key), then softmax weights and the weighted sum of values, a block of keys
-   at a time so that the block stays in L1 while each query row uses it.
+   Built on first use by kernels/cpu_attention.py (cc -O3 -march=native) and called through ctypes; the torch
+   reference sits next to it there.
+
+   Decode: every cached key and value is read from memory once per step for all the query rows of its KV head. Two
+   passes per head: scores, 16 keys at a time (their dot products reduced together, not one horizontal sum per
+   key), then softmax weights and the weighted sum of values, a block of keys at a time so that the block stays in
+   L1 while each query row uses it.
    - bf16 caches (CPUs with AVX512-BF16): products of bf16 pairs summed in fp32 by vdpbf16ps, q . k exactly as fp32
      arithmetic on the bf16 values would give it; the softmax weights are rounded to bf16 for the sum of values, as
      torch's CPU flash attention does for bf16 inputs.
-   - fp32 caches: fp32 FMAs. */
+   - fp32 caches: fp32 FMAs.
+   Prefill (bf16 only): see the comment before prefill_tile. */
 
 #include <immintrin.h>
 #include <math.h>
