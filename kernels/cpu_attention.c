@@ -288,29 +288,23 @@ INLINE void head_bf16(const uint16_t *q, const head_keys *h, int pairs, int rows
 }
 #endif
 
-/* Head functions with their loop bounds fixed for the head sizes models use (64, 128), and one for any size. */
-typedef void (*f32_head)(const float *, const head_keys *, int, int, float, scratch, float *, float *);
-#define F32_VARIANT(NAME, CHUNKS)                                                                                  \
-    static void NAME(const float *q, const head_keys *h, int chunks, int rows, float scale, scratch s,           \
+/* Head functions with their loop bounds fixed for the head sizes models use (64, 128), and one for any size:
+   SIZE is head_dim / 16 (fp32 vectors) or head_dim / 32 (bf16 pairs of vectors). */
+#define HEAD_VARIANT(NAME, HEAD, ELEMENT, SIZE)                                                                    \
+    static void NAME(const ELEMENT *q, const head_keys *h, int size, int rows, float scale, scratch s,           \
                      float *out, float *lse) {                                                                   \
-        (void)chunks;                                                                                            \
-        head_f32(q, h, CHUNKS, rows, scale, s, out, lse);                                                        \
+        (void)size;                                                                                              \
+        HEAD(q, h, SIZE, rows, scale, s, out, lse);                                                              \
     }
-F32_VARIANT(head_f32_d64, 4)
-F32_VARIANT(head_f32_d128, 8)
-F32_VARIANT(head_f32_any, chunks)
-
+typedef void (*f32_head)(const float *, const head_keys *, int, int, float, scratch, float *, float *);
+HEAD_VARIANT(head_f32_d64, head_f32, float, 4)
+HEAD_VARIANT(head_f32_d128, head_f32, float, 8)
+HEAD_VARIANT(head_f32_any, head_f32, float, size)
 #ifdef __AVX512BF16__
 typedef void (*bf16_head)(const uint16_t *, const head_keys *, int, int, float, scratch, float *, float *);
-#define BF16_VARIANT(NAME, PAIRS)                                                                                  \
-    static void NAME(const uint16_t *q, const head_keys *h, int pairs, int rows, float scale, scratch s,         \
-                     float *out, float *lse) {                                                                   \
-        (void)pairs;                                                                                             \
-        head_bf16(q, h, PAIRS, rows, scale, s, out, lse);                                                        \
-    }
-BF16_VARIANT(head_bf16_d64, 2)
-BF16_VARIANT(head_bf16_d128, 4)
-BF16_VARIANT(head_bf16_any, pairs)
+HEAD_VARIANT(head_bf16_d64, head_bf16, uint16_t, 2)
+HEAD_VARIANT(head_bf16_d128, head_bf16, uint16_t, 4)
+HEAD_VARIANT(head_bf16_any, head_bf16, uint16_t, size)
 #endif
 
 static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
