@@ -169,11 +169,20 @@ def _build(compiler: str, directory: Path, path: Path) -> str | None:
     return None
 
 
+def _torch_forced() -> bool:
+    """INDEXPOOL_KERNELS=torch: the torch path everywhere (read per call, as `kernels.kernel_backend` reads it)."""
+    return os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() == "torch"
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
 def decode_attention_path(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> str:
     """Which code runs a decode step's attention over a cache of this dtype and head size, and why."""
     if torch.device(device).type != "cpu":
         return "torch (the C kernel is for CPUs)"
-    if os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() == "torch":
+    if _torch_forced():
         return f"torch ({BACKEND_VARIABLE}=torch)"
     library, origin = native_library()
     if library is None:
@@ -206,7 +215,7 @@ def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     S = k.shape[2] if index is None else index.shape[1]
     if R > MAX_ROWS:  # a prompt segment's rows: the prefill kernel, where it runs
         return None if mask is not None else native_prefill(q, k, v, index=index, rope=rope, return_lse=return_lse)
-    if (q.device.type != "cpu" or os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() == "torch"
+    if (q.device.type != "cpu" or _torch_forced()
             or not _supports(q.dtype, D) or k.dtype != q.dtype or v.dtype != q.dtype
             or k.stride() != v.stride() or k.stride(-1) != 1 or k.shape != v.shape
             or k.shape[:2] != ((B if index is None else 1), KV)
@@ -221,11 +230,10 @@ def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     rows_mask = None if mask is None else mask.expand(B, 1, 1, S).reshape(B, S).float().contiguous()
     index = None if index is None else index.contiguous()
     cos, sin = (None, None) if rope is None else (t.float().contiguous() for t in rope)
-    pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     status = native_library()[0].decode_attention(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(rows_mask), out.data_ptr(), pointer(lse), q.element_size(),
-        B, KV, R, D, S, 0 if index is not None else k.stride(0), k.stride(1), k.stride(2), D**-0.5, pointer(index),
-        pointer(cos), pointer(sin), 0 if rope is None or cos.dim() == 2 else S * D)
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(rows_mask), out.data_ptr(), _pointer(lse), q.element_size(),
+        B, KV, R, D, S, 0 if index is not None else k.stride(0), k.stride(1), k.stride(2), D**-0.5, _pointer(index),
+        _pointer(cos), _pointer(sin), 0 if rope is None or cos.dim() == 2 else S * D)
     if status != 0:  # a scratch allocation failed
         return None
     return (out, lse) if return_lse else out
@@ -236,7 +244,7 @@ def prefill_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: int)
     kernel runs its matmuls on AMX tiles; this kernel's AVX512-BF16 dot products were measured only against the
     flash kernel on a CPU without them), head sizes 32, 64, 128, 256."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and head_dim in (32, 64, 128, 256)
-            and os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() != "torch"
+            and not _torch_forced()
             and not _has_amx() and _supports(dtype, head_dim))
 
 
@@ -272,19 +280,12 @@ def native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
     cos, sin = (None, None) if rope is None else (t.float().contiguous() for t in rope)
     library, group = native_library()[0], H // KV
     threads = max(1, min(torch.get_num_threads(), T // 64))
-    # Query t costs as many keys as it sees: split the total into equal shares.
-    if start is None:
-        work = torch.full((T,), float(S), dtype=torch.float64).cumsum(0)
-    else:
-        work = torch.arange(start + 1, start + T + 1, dtype=torch.float64).cumsum(0)
-    bounds = [0, *(int(torch.searchsorted(work, work[-1] * i / threads)) for i in range(1, threads)), T]
-    pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     per_head = lambda t: (t.stride(0), t.stride(1) * group, t.stride(1), t.stride(2))  # noqa: E731
 
     def run(first: int, end: int) -> int:
         return library.prefill_attention(
-            q.data_ptr(), out.data_ptr(), pointer(lse), k.data_ptr(), v.data_ptr(), pointer(index), pointer(cos),
-            pointer(sin), B, KV, group, D, T, first, end, S, -1 if start is None else start,
+            q.data_ptr(), out.data_ptr(), _pointer(lse), k.data_ptr(), v.data_ptr(), _pointer(index), _pointer(cos),
+            _pointer(sin), B, KV, group, D, T, first, end, S, -1 if start is None else start,
             0 if rope is None or cos.dim() == 2 else S * D, *per_head(q), *per_head(out),
             *(per_head(lse) if lse is not None else (0, 0, 0, 0)), 0 if index is not None else k.stride(0),
             k.stride(1), k.stride(2), D**-0.5)
@@ -292,6 +293,12 @@ def native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
     if threads == 1:
         statuses = [run(0, T)]
     else:
+        # Query t costs as many keys as it sees: split the total into equal shares.
+        if start is None:
+            work = torch.full((T,), float(S), dtype=torch.float64).cumsum(0)
+        else:
+            work = torch.arange(start + 1, start + T + 1, dtype=torch.float64).cumsum(0)
+        bounds = [0, *(int(torch.searchsorted(work, work[-1] * i / threads)) for i in range(1, threads)), T]
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             statuses = list(pool.map(run, bounds[:-1], bounds[1:]))
     if any(statuses):
