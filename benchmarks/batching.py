@@ -76,10 +76,9 @@ def main() -> None:
 
     print(f"document: {prompts[0].doc_end - prompts[0].doc_start:,} tokens, read in {read:.1f} s; "
           f"{len(prompts)} questions, up to {n} new tokens each; threads {threads}; batch size {size}")
-    print(f"{'way':>12} {'wall s':>8} {'new tokens':>11} {'questions read s':>17}")
+    print(f"{'way':>12} {'wall s':>8} {'new tokens':>11}")
     for name, seconds, results in (("one by one", one_by_one, alone), ("batched", together, batched)):
-        reading = sum(r.answer_seconds for r in results) if name == "one by one" else float("nan")
-        print(f"{name:>12} {seconds:8.1f} {sum(r.new_tokens for r in results):11d} {reading:17.1f}")
+        print(f"{name:>12} {seconds:8.1f} {sum(r.new_tokens for r in results):11d}")
     print(f"one by one / batched: {one_by_one / together:.2f}x")
     quoted = [sum(r.quote is not None for r in results) for results in (alone, batched)]
     print(f"answers read with a quote: {quoted[0]}/{len(prompts)} one by one, {quoted[1]}/{len(prompts)} batched")

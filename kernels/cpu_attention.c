@@ -78,9 +78,10 @@ INLINE void store_scores(float *scores, __m512 dots, float scale, const float *m
 }
 
 /* Scores (rows x padded, padded a multiple of LANES) become softmax weights in place; each row's sum goes to total
-   and its log-sum-exp to lse (when not NULL). A row whose keys are all masked gets weights 0 (so the output 0)
-   and a log-sum-exp of -inf. */
-static void softmax_rows(float *scores, int64_t padded, int rows, float *total, float *lse) {
+   and its log-sum-exp to lse (when not NULL), its probabilities (weights / sum, rows x length) to probs (when not
+   NULL). A row whose keys are all masked gets weights 0 (so the output 0) and a log-sum-exp of -inf. */
+static void softmax_rows(float *scores, int64_t padded, int64_t length, int rows, float *total, float *lse,
+                         float *probs) {
     for (int r = 0; r < rows; r++) {
         float *s = scores + r * padded;
         __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
@@ -94,6 +95,10 @@ static void softmax_rows(float *scores, int64_t padded, int rows, float *total, 
         }
         total[r] = _mm512_reduce_add_ps(sum);
         if (lse) lse[r] = top1 == -INFINITY ? -INFINITY : top1 + logf(total[r]);
+        if (probs) {
+            float inverse = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
+            for (int64_t j = 0; j < length; j++) probs[r * length + j] = s[j] * inverse;
+        }
     }
 }
 
@@ -145,7 +150,7 @@ INLINE void load_key_f32(const head_keys *h, int64_t j, int chunks, int bf16, __
 
 /* One KV head of an fp32 cache. q: rows x dim fp32; out: rows x dim fp32; lse: rows, or NULL. */
 INLINE void head_f32(const float *q, const head_keys *h, int chunks, int rows, float scale, scratch s, float *out,
-                     float *lse) {
+                     float *lse, float *probs) {
     __m512 keys[LANES][MAX_CHUNKS], partial[LANES], acc[MAX_CHUNKS], odd[MAX_CHUNKS];
     float total[MAX_ROWS];
     const int64_t length = h->length, padded = s.padded;
@@ -167,7 +172,7 @@ INLINE void head_f32(const float *q, const head_keys *h, int chunks, int rows, f
                          (__mmask16)((1u << n) - 1));
         }
     }
-    softmax_rows(s.scores, padded, rows, total, lse);
+    softmax_rows(s.scores, padded, length, rows, total, lse, probs);
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + (r * chunks + c) * LANES, _mm512_setzero_ps());
     for (int64_t j0 = 0; j0 < length; j0 += VALUE_BLOCK) {
@@ -206,7 +211,7 @@ INLINE void head_f32(const float *q, const head_keys *h, int chunks, int rows, f
 /* One KV head of a bf16 cache; as head_f32, with q bf16 (uint16 bit patterns) and `pairs` = dim / 32 vectors of
    bf16 per row. A rotated key is rotated in fp32 and rounded to bf16 once, like the torch path's rotated keys. */
 INLINE void head_bf16(const uint16_t *q, const head_keys *h, int pairs, int rows, float scale, scratch s,
-                      float *out, float *lse) {
+                      float *out, float *lse, float *probs) {
     __m512i keys[LANES][MAX_CHUNKS / 2];
     __m512i interleaved[VALUE_BLOCK / 2][MAX_CHUNKS]; /* two keys' values, element by element (32 KB) */
     __m512 partial[LANES], acc[MAX_CHUNKS];
@@ -238,7 +243,7 @@ INLINE void head_bf16(const uint16_t *q, const head_keys *h, int pairs, int rows
                          (__mmask16)((1u << n) - 1));
         }
     }
-    softmax_rows(s.scores, padded, rows, total, lse);
+    softmax_rows(s.scores, padded, length, rows, total, lse, probs);
     for (int r = 0; r < rows; r++) /* weights to bf16; padded lanes are 0, so an odd length's last pair is whole */
         for (int64_t j = 0; j < padded; j += LANES)
             _mm256_storeu_si256((__m256i *)(s.weights + r * padded + j),
@@ -292,16 +297,17 @@ INLINE void head_bf16(const uint16_t *q, const head_keys *h, int pairs, int rows
    SIZE is head_dim / 16 (fp32 vectors) or head_dim / 32 (bf16 pairs of vectors). */
 #define HEAD_VARIANT(NAME, HEAD, ELEMENT, SIZE)                                                                    \
     static void NAME(const ELEMENT *q, const head_keys *h, int size, int rows, float scale, scratch s,           \
-                     float *out, float *lse) {                                                                   \
+                     float *out, float *lse, float *probs) {                                                     \
         (void)size;                                                                                              \
-        HEAD(q, h, SIZE, rows, scale, s, out, lse);                                                              \
+        HEAD(q, h, SIZE, rows, scale, s, out, lse, probs);                                                       \
     }
-typedef void (*f32_head)(const float *, const head_keys *, int, int, float, scratch, float *, float *);
+typedef void (*f32_head)(const float *, const head_keys *, int, int, float, scratch, float *, float *, float *);
 HEAD_VARIANT(head_f32_d64, head_f32, float, 4)
 HEAD_VARIANT(head_f32_d128, head_f32, float, 8)
 HEAD_VARIANT(head_f32_any, head_f32, float, size)
 #ifdef __AVX512BF16__
-typedef void (*bf16_head)(const uint16_t *, const head_keys *, int, int, float, scratch, float *, float *);
+typedef void (*bf16_head)(const uint16_t *, const head_keys *, int, int, float, scratch, float *, float *,
+                          float *);
 HEAD_VARIANT(head_bf16_d64, head_bf16, uint16_t, 2)
 HEAD_VARIANT(head_bf16_d128, head_bf16, uint16_t, 4)
 HEAD_VARIANT(head_bf16_any, head_bf16, uint16_t, size)
@@ -548,11 +554,14 @@ int decode_attention_supports(int element_size, int dim) {
    rope_cos, rope_sin: (length, dim) fp32 tables to rotate the keys with (see rotate), rope_stride elements from
    one batch entry's tables to the next (0: shared), or NULL; mask: (batch,
    length) fp32 or NULL; out like q; lse: (batch, kv_heads, rows) fp32, the log-sum-exp of the scaled, masked
-   logits, or NULL. Returns 0, or -1 for what it does not take (the caller then uses torch). */
+   logits, or NULL; probs: (batch, kv_heads, rows, length) fp32, each row's attention probabilities (where a
+   question looks: IndexPool's evidence), or NULL. Returns 0, or -1 for what it does not take (the caller then
+   uses torch). */
 int decode_attention(const void *q, const void *k, const void *v, const float *mask, void *out, float *lse,
                      int element_size, int batch, int kv_heads, int rows, int dim, int64_t length,
                      int64_t batch_stride, int64_t head_stride, int64_t token_stride, float scale,
-                     const int64_t *index, const float *rope_cos, const float *rope_sin, int64_t rope_stride) {
+                     const int64_t *index, const float *rope_cos, const float *rope_sin, int64_t rope_stride,
+                     float *probs) {
     if (!decode_attention_supports(element_size, dim) || rows < 1 || rows > MAX_ROWS || length < 0 ||
         (rope_cos && (dim % 32 || !rope_sin)))
         return -1;
@@ -573,16 +582,16 @@ int decode_attention(const void *q, const void *k, const void *v, const float *m
                               token_stride, length, index ? index + (int64_t)b * length : NULL,
                               rope_cos ? rope_cos + b * rope_stride : NULL, rope_sin ? rope_sin + b * rope_stride : NULL,
                               mask ? mask + (int64_t)b * length : NULL};
-            float *head_lse = lse ? lse + first : NULL;
+            float *head_lse = lse ? lse + first : NULL, *head_probs = probs ? probs + first * length : NULL;
             if (element_size == 4) {
                 f32_head f32 = dim == 64 ? head_f32_d64 : dim == 128 ? head_f32_d128 : head_f32_any;
                 f32((const float *)q + first * dim, &keys, dim / LANES, rows, scale, s, (float *)out + first * dim,
-                    head_lse);
+                    head_lse, head_probs);
                 continue;
             }
 #ifdef __AVX512BF16__
             bf16_head bf16 = dim == 64 ? head_bf16_d64 : dim == 128 ? head_bf16_d128 : head_bf16_any;
-            bf16((const uint16_t *)q + first * dim, &keys, dim / 32, rows, scale, s, result, head_lse);
+            bf16((const uint16_t *)q + first * dim, &keys, dim / 32, rows, scale, s, result, head_lse, head_probs);
             for (int i = 0; i < rows * dim; i++) ((uint16_t *)out)[first * dim + i] = float_to_bf16(result[i]);
 #endif
         }

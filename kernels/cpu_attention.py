@@ -3,7 +3,8 @@
 A decode step's attention reads the whole K/V cache for one query per sequence. torch's SDPA read a bf16 cache at
 about a quarter of the memory bandwidth one core has on the AVX512-BF16 CPU measured, and at 4K context that was
 half of a decode step (docs/benchmarks.md). The decode kernel reads each cached key and value once for all the
-query heads of its KV head (and for IndexPool gathers the selected tokens and rotates their keys itself). The
+query heads of its KV head (and for IndexPool gathers the selected tokens and rotates their keys itself, and gives
+each query row's attention probabilities, which `ask` points at its sources with). The
 prefill kernel computes a prompt segment's attention with bf16 dot products laid out as outer products, about twice
 as fast as PyTorch's flash kernel on that CPU; it runs only where that was measured: bf16 without AMX.
 
@@ -35,7 +36,7 @@ SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
 MAX_ROWS = 16  # query heads per KV head, as in the C source
 # decode_attention's arguments, one letter each: p pointer, i int, q int64, f float
-SIGNATURE = "pppppp" + "iiiii" + "qqqq" + "f" + "ppp" + "q"
+SIGNATURE = "pppppp" + "iiiii" + "qqqq" + "f" + "ppp" + "q" + "p"
 PREFILL_SIGNATURE = "pppppppp" + "iiii" + "q" * 6 + "q" * 12 + "qqq" + "f"  # prefill_attention's
 
 
@@ -82,15 +83,17 @@ for size in (4, 2):
     q, k, v = (ctypes.create_string_buffer(pack(xs)) for xs in ([0.5] * 2 * dim, [0.25] * keys * dim, values))
     for extra in ((None, None, None, 0), (index, cos, sin, 0)):
         out, lse = ctypes.create_string_buffer(2 * dim * size), (ctypes.c_float * 2)()
+        probs = (ctypes.c_float * (2 * keys))()
         status = lib.decode_attention(q, k, v, None, out, lse, size, 1, 1, 2, dim, keys, keys * dim, keys * dim, dim,
-                                      dim ** -0.5, *extra)
+                                      dim ** -0.5, *extra, probs)
         if size == 4:
             got = struct.unpack(f"{2 * dim}f", out.raw)
         else:
             got = [struct.unpack("f", struct.pack("I", h << 16))[0] for h in struct.unpack(f"{2 * dim}H", out.raw)]
         mean, logit = sum(j % 4 for j in range(keys)) / keys, 0.5 * 0.25 * dim * dim ** -0.5
         if (status != 0 or any(abs(x - mean) > 1e-2 for x in got)
-                or any(abs(x - logit - math.log(keys)) > 1e-4 for x in lse)):
+                or any(abs(x - logit - math.log(keys)) > 1e-4 for x in lse)
+                or any(abs(p - 1 / keys) > 1e-6 for p in probs)):
             sys.exit(f"wrong result (element size {size}, gathered: {extra[0] is not None})")
 if lib.decode_attention_supports(2, dim):  # prefill: 3 queries at positions 34..36, two query heads each
     lib.prefill_attention.argtypes = [types[code] for code in sys.argv[3]]
@@ -201,11 +204,12 @@ def _supports(dtype: torch.dtype, head_dim: int) -> bool:
 
 def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                      return_lse: bool = False, index: torch.Tensor | None = None,
-                     rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+                     rope: tuple[torch.Tensor, torch.Tensor] | None = None, return_probs: bool = False):
     """`decode_attention_reference` by the C kernel, with return_lse also the fp32 log-sum-exp (B, KV, R) of the
-    scaled, masked logits; None where the kernel does not run (not a CPU, INDEXPOOL_KERNELS=torch, not built, a
+    scaled, masked logits, with return_probs (implies return_lse) also each row's fp32 attention probabilities
+    (B, KV, R, S); None where the kernel does not run (not a CPU, INDEXPOOL_KERNELS=torch, not built, a
     dtype or head size it does not take, a mask that varies by head or row). More than 16 rows per KV head go to
-    the prefill kernel (`native_prefill`; no mask).
+    the prefill kernel (`native_prefill`; no mask, no probabilities).
 
     index (B, N) int64: each batch entry attends to the N tokens it lists of k/v, which are then one store
     (1, KV, tokens, D) shared by the batch. rope (cos, sin), each (N, D) fp32: key n is rotated before use as
@@ -214,6 +218,8 @@ def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     B, KV, R, D = q.shape
     S = k.shape[2] if index is None else index.shape[1]
     if R > MAX_ROWS:  # a prompt segment's rows: the prefill kernel, where it runs
+        if return_probs:  # which it cannot give: the decode kernel, on chunks of rows
+            return None if index is None else _in_row_chunks(q, k, v, mask, index, rope)
         return None if mask is not None else native_prefill(q, k, v, index=index, rope=rope, return_lse=return_lse)
     if (q.device.type != "cpu" or _torch_forced()
             or not _supports(q.dtype, D) or k.dtype != q.dtype or v.dtype != q.dtype
@@ -226,17 +232,42 @@ def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         return None
     q = q.contiguous()
     out = torch.empty(B, KV, R, D, dtype=q.dtype)
-    lse = torch.empty(B, KV, R) if return_lse else None
+    lse = torch.empty(B, KV, R) if return_lse or return_probs else None
+    probs = torch.empty(B, KV, R, S) if return_probs else None
     rows_mask = None if mask is None else mask.expand(B, 1, 1, S).reshape(B, S).float().contiguous()
     index = None if index is None else index.contiguous()
     cos, sin = (None, None) if rope is None else (t.float().contiguous() for t in rope)
     status = native_library()[0].decode_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(rows_mask), out.data_ptr(), _pointer(lse), q.element_size(),
         B, KV, R, D, S, 0 if index is not None else k.stride(0), k.stride(1), k.stride(2), D**-0.5, _pointer(index),
-        _pointer(cos), _pointer(sin), 0 if rope is None or cos.dim() == 2 else S * D)
+        _pointer(cos), _pointer(sin), 0 if rope is None or cos.dim() == 2 else S * D, _pointer(probs))
     if status != 0:  # a scratch allocation failed
         return None
-    return (out, lse) if return_lse else out
+    return (out, lse, probs) if return_probs else (out, lse) if return_lse else out
+
+
+def _in_row_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, index: torch.Tensor,
+                   rope: tuple[torch.Tensor, torch.Tensor] | None):
+    """`native_attention` with return_probs for more than MAX_ROWS rows per KV head over gathered rows (a short
+    forward sharing one selection): the rows split into chunks the decode kernel takes, each chunk a batch entry
+    with its batch entry's index, RoPE tables and mask (each chunk reads the keys again, from the CPU's caches)."""
+    B, KV, R, D = q.shape
+    n = -(-R // MAX_ROWS)
+    size = -(-R // n)
+    chunks = F.pad(q, (0, 0, 0, n * size - R)).view(B, KV, n, size, D).transpose(1, 2).reshape(B * n, KV, size, D)
+
+    def each(t: torch.Tensor) -> torch.Tensor:  # a batch entry's tensor for each of its chunks
+        return t.repeat_interleave(n, dim=0)
+
+    if rope is not None and rope[0].dim() == 3:  # tables per batch entry (else shared)
+        rope = (each(rope[0]), each(rope[1]))
+    mask = None if mask is None else each(mask.expand(B, *mask.shape[1:]))
+    found = native_attention(chunks, k, v, mask, index=each(index), rope=rope, return_probs=True)
+    if found is None:
+        return None
+    whole = [t.view(B, n, KV, size, *t.shape[3:]).transpose(1, 2).reshape(B, KV, n * size, *t.shape[3:])[:, :, :R]
+             for t in found]
+    return tuple(whole)
 
 
 def prefill_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:

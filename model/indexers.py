@@ -16,6 +16,7 @@ Two kinds share this interface:
 
 from __future__ import annotations
 
+import itertools
 from typing import Protocol
 
 import torch
@@ -40,6 +41,16 @@ class Indexer(Protocol):
               limits: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 scores (B, T, P) of queries against pooled keys (B, P, d). limits (B, T), optional: the number of
         leading pools each query may see; the others score -inf."""
+
+
+def hide_pools_past(scores: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    """scores (..., P), in place, with the pools at or past each row's limit (limits: scores' leading dims, or
+    fewer leading dims shared by the rows after them) set to -inf. Row by row, the hidden tails only: callers pass
+    a few rows (a batch of branches, each limited to the pools before its own window), and a masked_fill over the
+    whole (8 branches x 9 heads x 8.5K pools) logits cost as much as their softmax."""
+    for index, limit in zip(itertools.product(*map(range, limits.shape)), limits.flatten().tolist()):
+        scores[index][..., limit:] = float("-inf")
+    return scores
 
 
 class TrainingFreeIndexer:
@@ -102,7 +113,6 @@ class TrainingFreeIndexer:
         P, D, G, KV = pooled.shape[1], self.head_dim, self.group, self.n_kv_heads
         H = KV * G
         projection = self.head_projection(layer, pooled.dtype)
-        columns = torch.arange(P, device=q.device)
         scores = []
         for b in range(B):
             for c in range(0, T, chunk):  # bounds the (chunk * heads, P) logits at long contexts
@@ -110,11 +120,12 @@ class TrainingFreeIndexer:
                 heads = q[b, c : c + n].to(pooled.dtype).view(n, KV, G, D).transpose(0, 1).reshape(KV, n * G, D)
                 mapped = torch.bmm(heads, projection).view(KV, n, G, -1).transpose(0, 1).reshape(n * H, -1)
                 logits = (mapped @ pooled[b].T).view(n, H, P)
-                hidden = None if limits is None else columns >= limits[b, c : c + n, None]  # (n, P)
-                if hidden is not None:
-                    logits = logits.masked_fill(hidden[:, None], float("-inf"))
+                if limits is not None:
+                    hide_pools_past(logits, limits[b, c : c + n])
                 probs = logits.softmax(dim=-1, dtype=torch.float32)
                 chunk_scores = torch.bmm(weights[b, c : c + n, None].float(), probs).view(n, P)
                 # -inf, not 0: a visible pool whose probability underflowed must still rank above hidden ones.
-                scores.append(chunk_scores if hidden is None else chunk_scores.masked_fill_(hidden, float("-inf")))
+                if limits is not None:
+                    hide_pools_past(chunk_scores, limits[b, c : c + n])
+                scores.append(chunk_scores)
         return torch.cat(scores).view(B, T, P)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from kernels.cpu_attention import native_attention
 
 from .indexpool_cache import (AttentionEvidence, IndexPoolCache, attention_with_lse, gathered_key_logits,
-                              gathered_key_mass, merge_attention)
+                              gathered_key_mass, key_probabilities, merge_attention)
 from .llama import apply_rope, rope_at
 
 
@@ -150,7 +150,8 @@ class IndexPoolBranches:
         index_q, weights = base.indexer.queries(layer, x, q)  # (B, 1, ...): each branch's one query
         limits = (end_pools - first_pool).clamp_min(0).view(1, B)
         scores = base.indexer.score(layer, index_q.transpose(0, 1), weights.transpose(0, 1), pooled, limits)[0]
-        pools = scores.topk(s.topk // s.kpool, dim=-1).indices.sort(dim=-1).values + first_pool  # (B, topk/kpool)
+        pools = scores.topk(s.topk // s.kpool, dim=-1, sorted=False).indices
+        pools = pools.sort(dim=-1).values + first_pool  # (B, topk/kpool)
         chosen = torch.cat([torch.arange(s.sinks).expand(B, -1),
                             (pools[..., None] * s.kpool + torch.arange(s.kpool)).flatten(-2)], dim=-1)
         chosen = F.pad(chosen, (0, taken.shape[1] - chosen.shape[1]))
@@ -171,18 +172,22 @@ class IndexPoolBranches:
         q = qk_rot[:, :H].view(B, KV, group, D)
         far = self._select(layer, x, qk[:, :, :H])
         self.selections[layer] = far
-        parts, far_k = [], None
+        parts, far_probs, evidence = [], None, self.local_band is not None
         if far.shape[1]:  # none while every window starts at 0
             # As IndexPoolCache.attend does it: the C kernel gathers and rotates, else the torch path below.
-            native = None if self.local_band is not None or base.store.quantized else native_attention(
-                q, *base.store.heads(layer), self.far_mask, return_lse=True, index=far, rope=self.far_rope_fp32)
+            native = None if base.store.quantized else native_attention(
+                q, *base.store.heads(layer), self.far_mask, return_lse=True, index=far, rope=self.far_rope_fp32,
+                return_probs=evidence)
             if native is not None:
-                parts.append(native)
+                parts.append(native[:2])
+                far_probs = native[2] if evidence else None
             else:
                 far_k, far_v = base.store.gather(layer, far)  # (B, N, KV, D)
                 # Rotated as IndexPoolCache.attend rotates them (in place, bf16), so both give the same logits.
                 far_k = far_k.roll(D // 2, -1).mul_(self.far_sin_signed).addcmul_(far_k, self.far_cos)
                 parts.append(attention_with_lse(q, far_k.transpose(1, 2), far_v.transpose(1, 2), mask=self.far_mask))
+                if evidence:
+                    far_probs = key_probabilities(gathered_key_logits(q, far_k), parts[-1][1])
         # The document's part of the window, from the earliest branch's window start to the prefix: every branch's
         # query rows against the same keys, each masked before its own window start.
         window = slice(self.doc_window_start - base.recent_start, self.prefix - base.recent_start)
@@ -194,19 +199,20 @@ class IndexPoolBranches:
         own_k = self.own_k[layer, self.live, :width].transpose(1, 2)  # (B, KV, S, D)
         own_v = self.own_v[layer, self.live, :width].transpose(1, 2)
         parts.append(attention_with_lse(q, own_k, own_v, mask=self.own_mask[..., :width]))
-        if self.local_band is not None:
+        if evidence:
             lse = torch.stack([part_lse for _, part_lse in parts]).logsumexp(dim=0)  # (B, KV, group)
-            self._add_evidence(q, lse, far, far_k, doc_k[0])
+            self._add_evidence(q, lse, far, (far_probs, parts[0][1]) if far_probs is not None else None, doc_k[0])
         return merge_attention(parts).reshape(B, 1, H * D)
 
-    def _add_evidence(self, q, lse, far, far_k, doc_k) -> None:
-        """Each branch's attention probability per document token, from the logits recomputed (bf16 products,
-        fp32 after) against the whole step's log-sum-exp, as IndexPoolCache._add_evidence: the window's keys before
-        the branch's window start or in the local band before its query are left out."""
+    def _add_evidence(self, q, lse, far, far_part, doc_k) -> None:
+        """Each branch's attention probability per document token against the whole step's log-sum-exp, as
+        IndexPoolCache._add_evidence: the far tokens' from their probabilities within the far part (far_part:
+        probabilities, log-sum-exp), the window's from logits recomputed (bf16 products, fp32 after), leaving out
+        the window's keys before the branch's window start or in the local band before its query."""
         B, KV, group, D = q.shape
         scale = D**-0.5
-        far_mass = torch.zeros(far.shape) if far_k is None else \
-            gathered_key_mass(gathered_key_logits(q, far_k), lse) * self.far_valid
+        far_mass = torch.zeros(far.shape) if far_part is None else gathered_key_mass(*far_part, lse) * self.far_valid
+        far_mass.masked_fill_(far > (self.positions - self.local_band)[:, None], 0)  # a band reaching past the window
         q_rows = q.transpose(0, 1).reshape(KV, B * group, D)
         # Keys in every branch's local band are left out below: not computed at all.
         limit = max(self.doc_window_start, min(self.prefix, int(self.positions.max()) - self.local_band + 1))

@@ -378,7 +378,7 @@ class IndexPoolCache:
         if self.per_query:
             scores = indexer.score(layer, index_q, weights, pooled)[0]  # (T, P)
             scores = F.pad(scores, (0, 0, 0, -T % self.query_block)).view(n_blocks, -1, scores.shape[1]).sum(1)
-            pools = scores.topk(s.topk // s.kpool, dim=-1).indices
+            pools = scores.topk(s.topk // s.kpool, dim=-1, sorted=False).indices  # sorted below
         else:
             pools = self._block_pools(layer, indexer, index_q, weights, pooled)
         far = ((pools.sort(dim=-1).values + first_pool)[..., None] * s.kpool + self.pool_offsets).flatten(-2)
@@ -405,12 +405,12 @@ class IndexPoolCache:
             mean_q, mean_weights = (torch.stack([t[0, b : b + self.query_block].mean(dim=0)
                                                  for b in starts.tolist()])[None] for t in (index_q, weights))
             mean_scores = indexer.score(layer, mean_q, mean_weights, pooled)[0]  # (n_blocks, P)
-            candidates = mean_scores.topk(s.segment_candidates, dim=-1).indices
+            candidates = mean_scores.topk(s.segment_candidates, dim=-1, sorted=False).indices
             pooled = pooled[0][candidates]  # (n_blocks, C, key_dim)
         else:
             pooled = pooled.expand(len(starts), -1, -1)
         scores = indexer.score(layer, index_q[0][picks], weights[0][picks], pooled).sum(dim=1)
-        pools = scores.topk(s.topk // s.kpool, dim=-1).indices
+        pools = scores.topk(s.topk // s.kpool, dim=-1, sorted=False).indices
         return pools if candidates is None else candidates.gather(-1, pools)
 
     def scored_pools(self, index: PooledIndexCache, layer: int, first_pool: int, end_pool: int) -> torch.Tensor:
@@ -464,11 +464,14 @@ class IndexPoolCache:
             # Far part: one batch entry per query block, the block's query rows per KV head.
             q_blocks = F.pad(q_rot, (0, 0, 0, 0, 0, n_blocks * block - T)).view(n_blocks, block, KV, group, D)
             q_blocks = q_blocks.transpose(1, 2).reshape(n_blocks, KV, block * group, D)
-            # A few query rows (decode): the C kernel reads the selected K/V where they lie and rotates the keys.
-            native = None if evidence or self.store.quantized else native_attention(
-                q_blocks, *self.store.heads(layer), return_lse=True, index=far, rope=self.far_rope_fp32)
+            # A few query rows (decode, a question): the C kernel reads the selected K/V where they lie and rotates
+            # the keys (and gives each row's probabilities for the evidence).
+            native = None if self.store.quantized else native_attention(
+                q_blocks, *self.store.heads(layer), return_lse=True, index=far, rope=self.far_rope_fp32,
+                return_probs=evidence)
             if native is not None:
-                far_out, far_lse = native
+                far_out, far_lse = native[:2]
+                far_probs = native[2] if evidence else None
             else:
                 far_k, far_v = self.store.gather(layer, far)  # (n_blocks, N, KV, D)
                 # In place on the freshly gathered keys: several times faster than out-of-place bf16 ops here.
@@ -476,12 +479,13 @@ class IndexPoolCache:
                 if evidence:  # the logits are needed for the evidence too: computed once, for both
                     far_logits = gathered_key_logits(q_blocks, far_k)
                     far_out, far_lse = attention_from_logits(far_logits, far_v)
+                    far_probs = key_probabilities(far_logits, far_lse)
                 else:
                     far_out, far_lse = attention_with_lse(q_blocks, far_k.transpose(1, 2), far_v.transpose(1, 2))
             parts.append((far_out.reshape(n_blocks, KV, block * group, D).transpose(0, 1).reshape(1, KV, -1, D)[:, :, : T * group],
                           far_lse.transpose(0, 1).reshape(1, KV, -1)[:, :, : T * group]))
         if evidence:
-            self._add_evidence(layer, parts, q_rows, window_end, far, far_logits if far.shape[1] else None)
+            self._add_evidence(layer, parts, q_rows, window_end, far, (far_probs, far_lse) if far.shape[1] else None)
         out = merge_attention(parts)
         return out.view(KV, T, group, D).transpose(0, 1).reshape(1, T, H * D)
 
@@ -496,11 +500,11 @@ class IndexPoolCache:
                                 self.recent_k[layer, :, window], self.recent_v[layer, :, window], self.start - self.ws,
                                 query_block=self.query_block, k_scale=scales[0], v_scale=scales[1])
 
-    def _add_evidence(self, layer, parts, q_rows, window_end, far, far_logits) -> None:
-        """Each attended token's attention probability, from its logit (the far part's as `attend` computed them,
-        the window's recomputed; products in the cache's dtype, fp32 after: converting every gathered key to fp32
-        first doubled a question's reading time) against the whole forward's log-sum-exp (short forwards only: a
-        question, an answer token)."""
+    def _add_evidence(self, layer, parts, q_rows, window_end, far, far_part) -> None:
+        """Each attended token's attention probability against the whole forward's log-sum-exp (short forwards
+        only: a question, an answer token): the far part's from its probabilities within that part (`attend`'s
+        far_part: probabilities and log-sum-exp), the window's from its logits recomputed (products in the cache's
+        dtype, fp32 after: converting every key to fp32 first doubled a question's reading time)."""
         KV, D = self.n_kv_heads, self.head_dim
         lse = torch.stack([part_lse for _, part_lse in parts]).logsumexp(dim=0)[0]  # (KV, rows)
         # Keys from end - local_band on are in every query's local band (masked below): not computed at all. In a
@@ -515,12 +519,19 @@ class IndexPoolCache:
             local = positions[None, :] > query_positions[:, None] - self.evidence.local_band
             mass = (logits - lse[..., None]).exp().masked_fill_(local, 0).sum(dim=(0, 1))
             self.evidence.add(positions, mass)
-        if far_logits is not None:
-            n_blocks, rows = far_logits.shape[0], far_logits.shape[2] // KV
+        if far_part is not None:
+            probs, part_lse = far_part
+            n_blocks, rows = probs.shape[0], probs.shape[2]
+            band = self.evidence.local_band
+            if band and far.numel() and int(far.max()) > self.start - band:  # a band reaching past the window
+                block_rows = torch.arange(rows, device=far.device) // (self.n_heads // KV)
+                row_positions = self.start + torch.arange(n_blocks, device=far.device)[:, None] * self.query_block \
+                    + block_rows  # (n_blocks, rows); padded rows lie past the end and add nothing anyway
+                probs = probs.masked_fill((far[:, None, :] > row_positions[..., None] - band)[:, None], 0)
             # The forward's rows in block order; padded rows get +inf, so they add nothing.
             lse_blocks = F.pad(lse, (0, n_blocks * rows - lse.shape[1]), value=float("inf"))
             lse_blocks = lse_blocks.view(KV, n_blocks, rows).transpose(0, 1)
-            self.evidence.add(far.flatten(), gathered_key_mass(far_logits, lse_blocks).flatten())
+            self.evidence.add(far.flatten(), gathered_key_mass(probs, part_lse, lse_blocks).flatten())
 
 
 def gathered_key_logits(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -548,10 +559,20 @@ def attention_from_logits(logits: torch.Tensor, values: torch.Tensor) -> tuple[t
     return out, lse.view(B, KV, -1)
 
 
-def gathered_key_mass(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Attention probability of each gathered key, summed over the query rows: logits (B, N, KV * R) from
-    `gathered_key_logits`, lse (B, KV, R) of the rows' whole attention; returns (B, N) fp32."""
-    return (logits - lse.reshape(lse.shape[0], 1, -1)).exp().sum(dim=-1)
+def key_probabilities(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Each query row's attention probabilities (B, KV, R, N) from `gathered_key_logits`' logits (B, N, KV * R) and
+    their log-sum-exp (B, KV, R): the layout the C decode kernel gives them in (`native_attention`)."""
+    B, N = logits.shape[:2]
+    return (logits - lse.reshape(B, 1, -1)).exp().transpose(1, 2).reshape(*lse.shape, N)
+
+
+def gathered_key_mass(probs: torch.Tensor, part_lse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Attention probability of each gathered key, summed over the query rows: probs (B, KV, R, N) within their
+    part of the attention, whose log-sum-exp is part_lse (B, KV, R); lse (B, KV, R) of the rows' whole attention.
+    Returns (B, N) fp32."""
+    B, KV, R, N = probs.shape
+    weights = (part_lse - lse).exp().reshape(B, 1, KV * R)
+    return torch.bmm(weights, probs.reshape(B, KV * R, N))[:, 0]
 
 
 class AttentionEvidence:

@@ -33,19 +33,14 @@ from torch import nn
 
 from kernels import kernel_backend
 
+from .indexers import hide_pools_past
+
 FORMAT = "indexpool-lightning-indexer/1"
 INDEXERS_DIR = Path(__file__).parent / "indexers_data"
 QUERY_CHUNK = 16  # queries scored together (see score)
 BF16_STORED = ("key_gate_proj", "query_proj")  # the large projections; see round_to_storage_
 # Distilled indexers shipped with the package, by the model's name (GGUF `general.name`).
 SHIPPED = {"Smollm2 135M 8k Lc100K Mix1 Ep2": "smollm2-135m-instruct.lightning.safetensors"}
-
-
-def _mask_pools(scores: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
-    """scores (B, T, P) with the pools at or past each query's limit (B, T) set to -inf (a sum of ReLUs has no
-    normalization to redo, so masking after scoring is exact)."""
-    hidden = torch.arange(scores.shape[-1], device=scores.device) >= limits[..., None]
-    return scores.masked_fill(hidden, float("-inf"))
 
 
 @dataclass(frozen=True)
@@ -126,7 +121,8 @@ class LightningIndexer(nn.Module):
             # Every pool handed in is scored: positions past the last one make them all visible.
             everything = torch.full(q.shape[:2], pooled.shape[1] * self.kpool, dtype=torch.long, device=q.device)
             scores = index_scores(q.to(pooled.dtype), weights, pooled, everything, self.kpool)
-            return scores if limits is None else _mask_pools(scores, limits)
+            # Masking after scoring is exact: a sum of ReLUs has no normalization to redo.
+            return scores if limits is None else hide_pools_past(scores, limits)
         B, T, H, _ = q.shape
         head_weights = weights.float() * self.key_dim**-0.5
         parts = []
@@ -138,7 +134,7 @@ class LightningIndexer(nn.Module):
             block_weights = (head_weights[:, start : start + n, :, None] * eye[:, None, :]).reshape(B, n * H, n)
             parts.append(torch.matmul(logits, block_weights).transpose(1, 2))
         scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return scores if limits is None else _mask_pools(scores, limits)
+        return scores if limits is None else hide_pools_past(scores, limits)
 
     def round_to_storage_(self) -> LightningIndexer:
         """Round the projections to bf16 in place, as `save` stores them: they run in bf16 at inference anyway,

@@ -70,8 +70,8 @@ def rope_at(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tens
     """fp32 cos and sin (*S, 1, head_dim) at positions of any shape S, from angles computed in fp64: in fp32, an
     angle near position 1M would be off by up to 0.06 rad."""
     angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
-    angles = torch.cat([angles, angles], dim=-1)[..., None, :]
-    return angles.cos().float(), angles.sin().float()
+    cos, sin = angles.cos().float(), angles.sin().float()  # each angle once, then both halves
+    return torch.cat([cos, cos], dim=-1)[..., None, :], torch.cat([sin, sin], dim=-1)[..., None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

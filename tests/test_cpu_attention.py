@@ -132,6 +132,49 @@ def test_kernel_gathers_and_rotates_keys(dtype, dim, R):
         torch.testing.assert_close(lse.double(), exact_lse, atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gathered,R", [(False, 3), (True, 3), (True, 40), (False, 40)])
+def test_kernel_attention_probabilities(dtype, gathered, R):
+    """return_probs: each query row's softmax probabilities over its keys (where a question looks: IndexPool's
+    evidence), against fp64 softmax of the same logits: rows at their own masked lengths (masked keys get exactly
+    0), 37 keys (off the 16-key blocks), or gathered rows of a store rotated at per-slot angles. The output and
+    log-sum-exp match the fp64 ones too. 40 rows per KV head (a short forward sharing one selection) go to the
+    decode kernel in chunks of rows when gathered; the prefill kernel gives no probabilities (None) otherwise."""
+    _require_kernel()
+    generator = torch.Generator().manual_seed(5)
+    B, KV, N, dim = 3, 2, 37, 64
+    q = torch.randn(B, KV, R, dim, generator=generator).to(dtype)
+    visible = [37, 5, 20]
+    hidden = torch.arange(N)[None, :] >= torch.tensor(visible)[:, None]
+    mask = torch.zeros(hidden.shape).masked_fill_(hidden, -1e30)[:, None, None, :]  # as IndexPool's branches mask
+    if gathered:
+        index = torch.stack([torch.randperm(90, generator=generator)[:N].sort().values for _ in range(B)])
+        store = torch.randn(2, 1, KV, 90, dim, generator=generator).to(dtype)
+        angles = torch.rand(N, dim // 2, generator=generator, dtype=torch.float64) * 6.3
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)
+        k = store[0, 0][:, index].transpose(0, 1).double()
+        k = k * cos + k.roll(dim // 2, -1) * sin
+        k = k.to(dtype).double()  # the kernel rounds its rotated keys to the cache dtype
+        args, extra = (q, store[0], store[1], mask), dict(index=index, rope=(cos, sin))
+    else:
+        store = torch.randn(2, B, KV, N, dim, generator=generator).to(dtype)
+        k = store[0].double()
+        args, extra = (q, store[0], store[1], mask), {}
+    found = cpu.native_attention(*args, return_probs=True, **extra)
+    if R > cpu.MAX_ROWS and not gathered:
+        assert found is None
+        return
+    out, lse, probs = found
+    logits = q.double() @ k.transpose(-1, -2) * dim**-0.5 + mask.double()
+    assert probs.shape == (B, KV, R, N) and probs.dtype == torch.float32
+    torch.testing.assert_close(probs.double(), logits.softmax(-1), atol=1e-6, rtol=1e-5)
+    assert torch.all(probs[hidden[:, None, None, :].expand_as(probs)] == 0)
+    torch.testing.assert_close(lse.double(), logits.logsumexp(-1), atol=1e-5, rtol=0)
+    exact = logits.softmax(-1) @ (store[1, 0][:, index].transpose(0, 1) if gathered else store[1]).double()
+    tolerance = 1e-6 if dtype == torch.float32 else 2**-8 * (store[1].abs().max() + exact.abs().max()).item()
+    torch.testing.assert_close(out.double(), exact, atol=tolerance, rtol=0)
+
+
 PREFILL_SHAPES = [  # (batch, query heads, KV heads, tokens, start, head size, threads)
     (1, 9, 3, 37, 0, 64, 1),  # the default model's heads, one short first segment
     (2, 8, 2, 50, 29, 64, 1),  # a later segment: 29 cached tokens before it

@@ -59,17 +59,19 @@ def test_branches_attend_as_each_branch_alone(document_length, head_dim):
     assert session.cache.length == document_length  # the document is held as before
 
 
-def test_only_live_branches_are_fed_and_evidence_matches():
+@pytest.mark.parametrize("head_dim,band", [(8, 6), (32, 6), (32, 30)])
+def test_only_live_branches_are_fed_and_evidence_matches(head_dim, band):
     """A branch that stopped is left out of later steps (the others go on unchanged), and each branch's evidence
-    equals what the same tokens collect alone."""
-    model = tiny_model(4)
+    equals what the same tokens collect alone (head size 32: both from the C kernel's probabilities where it
+    runs; 8: the torch path's logits). A local band of 30 reaches past the 24-token window into the far tokens."""
+    model = tiny_model(4, replace(CONFIG, head_dim=head_dim))
     session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
     document = prompts_for(6, [120])[0]
     session.prefill(document, query_tail=False)
     suffixes, forced = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
 
     def evidence():
-        return AttentionEvidence(4, 120, local_band=6)
+        return AttentionEvidence(4, 120, local_band=band)
 
     alone = []
     for s, f in zip(suffixes, forced):
@@ -188,6 +190,21 @@ def test_branches_that_could_reach_their_own_tokens_are_refused():
     dense = Session(model, 256)
     dense.prefill(document)
     assert not dense.can_branch([document + [1]], 4)
+
+
+def test_pools_past_each_limit_are_hidden_in_place():
+    """hide_pools_past on a non-contiguous (B, T, P) view (the lightning indexer's scores) and on (n, H, P) logits
+    with one limit per leading row: the same as masking every pool at or past its row's limit."""
+    from model.indexers import hide_pools_past
+
+    scores = torch.randn(2, 5, 3).transpose(1, 2)  # (B 2, T 3, P 5)
+    limits = torch.tensor([[5, 0, 2], [3, 1, 4]])
+    expected = scores.masked_fill(torch.arange(5) >= limits[..., None], float("-inf"))
+    assert hide_pools_past(scores, limits) is scores
+    assert torch.equal(scores, expected)
+    logits = torch.randn(3, 2, 6)
+    expected = logits.masked_fill((torch.arange(6) >= torch.tensor([6, 2, 0])[:, None])[:, None], float("-inf"))
+    assert torch.equal(hide_pools_past(logits, torch.tensor([6, 2, 0])), expected)
 
 
 def test_training_free_scores_mask_pools_past_each_limit():

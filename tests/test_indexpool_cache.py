@@ -6,6 +6,8 @@ real cache instead slides a window buffer, gathers from a (possibly int8 or memo
 across a segment, and merges two attention parts by their log-sum-exps; both must give the same logits.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -287,12 +289,13 @@ def test_a_restored_state_continues_exactly_like_the_original(kv_storage, index_
         Session(model, 256, attention=IndexPoolConfig(**dict(SETTINGS, kpool=2, topk=8))).restore(document, state)
 
 
-def test_evidence_points_at_what_the_queries_attend_to():
+@pytest.mark.parametrize("head_dim", [8, 32])  # 32: the far part's probabilities from the C kernel where it runs
+def test_evidence_points_at_what_the_queries_attend_to(head_dim):
     """AttentionEvidence sums attention probabilities: over a span covering every key a one-token forward
     attends to (itself included), each query row contributes exactly 1 per layer."""
     from model.indexpool_cache import AttentionEvidence
 
-    model = tiny_model(7)
+    model = tiny_model(7, replace(CONFIG, head_dim=head_dim))
     session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
     prompt = prompts_for(12, [120])[0]
     session.prefill(prompt[:-4], query_tail=False)
@@ -307,13 +310,14 @@ def test_evidence_points_at_what_the_queries_attend_to():
     assert 0 < int(attended.sum()) < 120  # past the context: only sinks, selected pools and the window are seen
 
 
-def test_evidence_does_not_change_what_the_queries_compute():
-    """With evidence on, the far part is computed from the logits the evidence needs (not by the flash kernel):
-    the forwards give the same logits as without it, for a short forward selecting per block of queries (with a
-    padded last block) and for one-token steps."""
+@pytest.mark.parametrize("head_dim", [8, 32])
+def test_evidence_does_not_change_what_the_queries_compute(head_dim):
+    """With evidence on, the far part also gives each row's probabilities (the C kernel's where it runs, head
+    size 32; else from the logits the torch path computes): the forwards give the same logits as without it, for
+    a short forward selecting per block of queries (with a padded last block) and for one-token steps."""
     from model.indexpool_cache import AttentionEvidence
 
-    model = tiny_model(9)
+    model = tiny_model(9, replace(CONFIG, head_dim=head_dim))
     prompt = prompts_for(14, [140])[0]
     logits = []
     for with_evidence in (False, True):
@@ -328,13 +332,14 @@ def test_evidence_does_not_change_what_the_queries_compute():
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [8, 32])
 @pytest.mark.parametrize("band", [3, 20])
-def test_evidence_leaves_out_the_local_band_before_the_query(band):
+def test_evidence_leaves_out_the_local_band_before_the_query(band, head_dim):
     """With a local band, a query's evidence is its evidence without one, less the keys in the band before it
     (which are not computed at all: the band may cover the whole window)."""
     from model.indexpool_cache import AttentionEvidence
 
-    model = tiny_model(8)
+    model = tiny_model(8, replace(CONFIG, head_dim=head_dim))
     prompt = prompts_for(13, [120])[0]
     found = []
     for local_band in (0, band):
@@ -348,6 +353,35 @@ def test_evidence_leaves_out_the_local_band_before_the_query(band):
     expected[119 - band + 1 :] = 0
     torch.testing.assert_close(found[1].mass, expected, atol=1e-6, rtol=1e-5)
     assert found[1].mass[: 119 - band + 1].sum() > 0
+
+
+def test_evidence_is_the_same_through_the_c_kernel_and_the_torch_path(monkeypatch):
+    """The far part's probabilities from the C decode kernel (gathered, rotated keys) give the evidence the torch
+    path's logits give, for a question read per query block (padded last block), for 10 tokens sharing one
+    selection (20 query rows per KV head: the kernel takes them in chunks) and for one-token steps; fp32."""
+    from kernels.cpu_attention import native_library
+    from model.indexpool_cache import AttentionEvidence
+
+    if native_library()[0] is None:
+        pytest.skip(f"the C kernel is not available here: {native_library()[1]}")
+    model = tiny_model(10, replace(CONFIG, head_dim=32))
+    prompt = prompts_for(15, [140])[0]
+    found = {}
+    for backend in ("auto", "torch"):
+        monkeypatch.setenv("INDEXPOOL_KERNELS", backend)
+        session = Session(model, 256, attention=IndexPoolConfig(**dict(SETTINGS, query_tokens=12)))
+        session.prefill(prompt[:115], query_tail=False)
+        found[backend] = session.cache.evidence = AttentionEvidence(4, 140, local_band=3)
+        with torch.no_grad():
+            model(torch.tensor([prompt[115:120]]), 115, session.cache)
+            session.cache.shared_selection = True
+            model(torch.tensor([prompt[120:130]]), 120, session.cache)
+            session.cache.shared_selection = False
+            for position in range(130, 134):
+                model(torch.tensor([[prompt[position]]]), position, session.cache)
+        assert session.cache.n_far > SETTINGS["topk"]  # far tokens were selected, not taken whole
+    assert found["auto"].mass[:100].sum() > 0  # far tokens drew some of it
+    torch.testing.assert_close(found["auto"].mass, found["torch"].mass, atol=1e-6, rtol=1e-5)
 
 
 def test_bytes_per_token_and_memory_parts():
