@@ -217,12 +217,13 @@ def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     (B, N, D), a table per batch entry."""
     B, KV, R, D = q.shape
     S = k.shape[2] if index is None else index.shape[1]
+    if q.device.type != "cpu" or _torch_forced():
+        return None
     if R > MAX_ROWS:  # a prompt segment's rows: the prefill kernel, where it runs
         if return_probs:  # which it cannot give: the decode kernel, on chunks of rows
             return None if index is None else _in_row_chunks(q, k, v, mask, index, rope)
         return None if mask is not None else native_prefill(q, k, v, index=index, rope=rope, return_lse=return_lse)
-    if (q.device.type != "cpu" or _torch_forced()
-            or not _supports(q.dtype, D) or k.dtype != q.dtype or v.dtype != q.dtype
+    if (not _supports(q.dtype, D) or k.dtype != q.dtype or v.dtype != q.dtype
             or k.stride() != v.stride() or k.stride(-1) != 1 or k.shape != v.shape
             or k.shape[:2] != ((B if index is None else 1), KV)
             or (index is not None and (index.shape[0] != B or index.dtype != torch.int64))
@@ -265,9 +266,8 @@ def _in_row_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     found = native_attention(chunks, k, v, mask, index=each(index), rope=rope, return_probs=True)
     if found is None:
         return None
-    whole = [t.view(B, n, KV, size, *t.shape[3:]).transpose(1, 2).reshape(B, KV, n * size, *t.shape[3:])[:, :, :R]
-             for t in found]
-    return tuple(whole)
+    return tuple(t.view(B, n, KV, size, *t.shape[3:]).transpose(1, 2).reshape(B, KV, n * size, *t.shape[3:])[:, :, :R]
+                 for t in found)
 
 
 def prefill_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:

@@ -25,10 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_attention import native_attention
-
-from .indexpool_cache import (AttentionEvidence, IndexPoolCache, attention_with_lse, gathered_key_logits,
-                              gathered_key_mass, key_probabilities, merge_attention)
+from .indexpool_cache import (AttentionEvidence, IndexPoolCache, attention_with_lse, far_attention, gathered_key_mass,
+                              merge_attention)
 from .llama import apply_rope, rope_at
 
 
@@ -174,20 +172,10 @@ class IndexPoolBranches:
         self.selections[layer] = far
         parts, far_probs, evidence = [], None, self.local_band is not None
         if far.shape[1]:  # none while every window starts at 0
-            # As IndexPoolCache.attend does it: the C kernel gathers and rotates, else the torch path below.
-            native = None if base.store.quantized else native_attention(
-                q, *base.store.heads(layer), self.far_mask, return_lse=True, index=far, rope=self.far_rope_fp32,
-                return_probs=evidence)
-            if native is not None:
-                parts.append(native[:2])
-                far_probs = native[2] if evidence else None
-            else:
-                far_k, far_v = base.store.gather(layer, far)  # (B, N, KV, D)
-                # Rotated as IndexPoolCache.attend rotates them (in place, bf16), so both give the same logits.
-                far_k = far_k.roll(D // 2, -1).mul_(self.far_sin_signed).addcmul_(far_k, self.far_cos)
-                parts.append(attention_with_lse(q, far_k.transpose(1, 2), far_v.transpose(1, 2), mask=self.far_mask))
-                if evidence:
-                    far_probs = key_probabilities(gathered_key_logits(q, far_k), parts[-1][1])
+            # As IndexPoolCache.attend computes its far part, so both give the same logits.
+            *far_part, far_probs = far_attention(base.store, layer, q, far, self.far_rope_fp32,
+                                                 (self.far_cos, self.far_sin_signed), self.far_mask, evidence)
+            parts.append(tuple(far_part))
         # The document's part of the window, from the earliest branch's window start to the prefix: every branch's
         # query rows against the same keys, each masked before its own window start.
         window = slice(self.doc_window_start - base.recent_start, self.prefix - base.recent_start)

@@ -464,24 +464,8 @@ class IndexPoolCache:
             # Far part: one batch entry per query block, the block's query rows per KV head.
             q_blocks = F.pad(q_rot, (0, 0, 0, 0, 0, n_blocks * block - T)).view(n_blocks, block, KV, group, D)
             q_blocks = q_blocks.transpose(1, 2).reshape(n_blocks, KV, block * group, D)
-            # A few query rows (decode, a question): the C kernel reads the selected K/V where they lie and rotates
-            # the keys (and gives each row's probabilities for the evidence).
-            native = None if self.store.quantized else native_attention(
-                q_blocks, *self.store.heads(layer), return_lse=True, index=far, rope=self.far_rope_fp32,
-                return_probs=evidence)
-            if native is not None:
-                far_out, far_lse = native[:2]
-                far_probs = native[2] if evidence else None
-            else:
-                far_k, far_v = self.store.gather(layer, far)  # (n_blocks, N, KV, D)
-                # In place on the freshly gathered keys: several times faster than out-of-place bf16 ops here.
-                far_k = far_k.roll(self.head_dim // 2, -1).mul_(self.far_sin_signed).addcmul_(far_k, self.far_cos)
-                if evidence:  # the logits are needed for the evidence too: computed once, for both
-                    far_logits = gathered_key_logits(q_blocks, far_k)
-                    far_out, far_lse = attention_from_logits(far_logits, far_v)
-                    far_probs = key_probabilities(far_logits, far_lse)
-                else:
-                    far_out, far_lse = attention_with_lse(q_blocks, far_k.transpose(1, 2), far_v.transpose(1, 2))
+            far_out, far_lse, far_probs = far_attention(self.store, layer, q_blocks, far, self.far_rope_fp32,
+                                                        (self.far_cos, self.far_sin_signed), with_probs=evidence)
             parts.append((far_out.reshape(n_blocks, KV, block * group, D).transpose(0, 1).reshape(1, KV, -1, D)[:, :, : T * group],
                           far_lse.transpose(0, 1).reshape(1, KV, -1)[:, :, : T * group]))
         if evidence:
@@ -532,6 +516,31 @@ class IndexPoolCache:
             lse_blocks = F.pad(lse, (0, n_blocks * rows - lse.shape[1]), value=float("inf"))
             lse_blocks = lse_blocks.view(KV, n_blocks, rows).transpose(0, 1)
             self.evidence.add(far.flatten(), gathered_key_mass(probs, part_lse, lse_blocks).flatten())
+
+
+def far_attention(store: HistoryStore, layer: int, q: torch.Tensor, far: torch.Tensor,
+                  rope: tuple[torch.Tensor, torch.Tensor], rotation: tuple[torch.Tensor, torch.Tensor],
+                  mask: torch.Tensor | None = None, with_probs: bool = False):
+    """Attention of query rows q (B, KV, R, D) over the far tokens `far` (B, N) of the history store, their keys
+    rotated to where they are placed: (output, fp32 log-sum-exp (B, KV, R), and with with_probs each row's
+    probabilities (B, KV, R, N) for the evidence, else None). The C kernel reads the selected K/V where they lie and
+    rotates the keys itself (rope: fp32 cos and signed sin, (N, D) or (B, N, D)); else they are gathered and rotated
+    in the cache dtype (rotation: cos and signed sin broadcastable to the gathered (B, N, KV, D)). mask: additive
+    (B, 1, 1, N), or None."""
+    native = None if store.quantized else native_attention(q, *store.heads(layer), mask, return_lse=True, index=far,
+                                                           rope=rope, return_probs=with_probs)
+    if native is not None:
+        return native if with_probs else (*native, None)
+    far_k, far_v = store.gather(layer, far)  # (B, N, KV, D)
+    # In place on the freshly gathered keys: several times faster than out-of-place bf16 ops here.
+    far_k = far_k.roll(q.shape[-1] // 2, -1).mul_(rotation[1]).addcmul_(far_k, rotation[0])
+    if not with_probs:
+        return (*attention_with_lse(q, far_k.transpose(1, 2), far_v.transpose(1, 2), mask=mask), None)
+    logits = gathered_key_logits(q, far_k)  # needed for the evidence too: computed once, for both
+    if mask is not None:
+        logits = logits + mask.reshape(mask.shape[0], -1, 1)
+    out, lse = attention_from_logits(logits, far_v)
+    return out, lse, key_probabilities(logits, lse)
 
 
 def gathered_key_logits(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
