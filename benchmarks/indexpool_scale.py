@@ -32,6 +32,26 @@ def text_ids(tokenizer, length: int) -> list[int]:
     return (ids * (length // len(ids) + 1))[:length]
 
 
+def long_read_progress(label: str, length: int):
+    """A prefill progress callback that prints a line on stderr per sixteenth of a read of 128K tokens or more:
+    tokens, rate and peak RSS as it goes (such reads take minutes to an hour)."""
+    t0 = time.perf_counter()
+    every = max(1, length // 16)
+    marks = iter(range(every, length + every, every))
+    mark = next(marks)
+
+    def progress(done: int, total: int) -> None:
+        nonlocal mark
+        if total >= 1 << 17 and done >= mark:
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(f"  {label} read {done:,}/{total:,} tokens, {done / (time.perf_counter() - t0):.0f} tok/s, "
+                  f"peak RSS {rss:,.0f} MiB", file=sys.stderr, flush=True)
+            while mark <= done:
+                mark = next(marks, length + 1)
+
+    return progress
+
+
 def worker(length: int, mode: str, decode: int, threads: int | None, options: dict) -> dict:
     import torch
 
@@ -51,20 +71,7 @@ def worker(length: int, mode: str, decode: int, threads: int | None, options: di
                       indexer=indexer if settings else None, segment_indexer=for_segments if settings else None)
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.perf_counter()
-    every = max(1, length // 16)  # a line on stderr per sixteenth of a long read: rate and memory as it goes
-    marks = iter(range(every, length + every, every))
-    mark = next(marks)
-
-    def progress(done: int, total: int) -> None:
-        nonlocal mark
-        if length >= 1 << 17 and done >= mark:
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            print(f"  {length}:{mode} read {done:,}/{total:,} tokens, {done / (time.perf_counter() - t0):.0f} tok/s, "
-                  f"peak RSS {rss:,.0f} MiB", file=sys.stderr, flush=True)
-            while mark <= done:
-                mark = next(marks, length + 1)
-
-    logits = session.prefill(ids, progress)
+    logits = session.prefill(ids, long_read_progress(f"{length}:{mode}", length))
     prefill_s = time.perf_counter() - t0
     token = logits.argmax(-1)
     times = []

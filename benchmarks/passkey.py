@@ -11,6 +11,10 @@ consecutive trials share the haystack up to the earlier needle (the session re-r
     .venv/bin/python benchmarks/passkey.py --haystack natural --lengths 131072 --modes indexpool
 
 Prints one row per (length, mode): accuracy, trials, median prefill tokens/s (of the part re-read), per-depth hits.
+At 1M tokens one read takes about an hour on one core; `--depths` runs fewer depths (deepest first, so each further
+trial re-reads only what follows its needle):
+
+    .venv/bin/python benchmarks/passkey.py --haystack filler --lengths 1048576 --modes indexpool --depths 0.95,0.85,0.75 --trials 3
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from model.generate import GenerationStats, SamplingParams, Sampler, Session  # 
 from model.indexpool_cache import IndexPoolConfig  # noqa: E402
 from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer  # noqa: E402
 from model.runtime import load_engine, set_threads  # noqa: E402
+from indexpool_scale import long_read_progress  # noqa: E402  (this script's folder is on sys.path)
 
 DEPTHS = [0.05 + 0.1 * i for i in range(10)]
 QUESTION = "\n\nWhat is the pass key? Answer with the number only."
@@ -62,6 +67,13 @@ def build_prompt(tokenizer, hay_ids: list[int], length: int, depth: float, key: 
     return head + hay[:cut] + needle + hay[cut:] + tail, len(head) + cut
 
 
+def depth_list(text: str) -> list[float]:
+    depths = sorted({float(x) for x in text.split(",")})
+    if not depths or not all(0 < d < 1 for d in depths):
+        raise argparse.ArgumentTypeError(f"depths must lie strictly between 0 and 1, got {text!r}")
+    return depths
+
+
 def run(args) -> None:
     set_threads(args.threads)
     loaded = load_engine(args.model, dtype=args.dtype)
@@ -71,9 +83,11 @@ def run(args) -> None:
     indexer, for_segments = default_indexer(choice, loaded), segment_indexer(choice, loaded)
     rng = random.Random(args.seed)
     print(f"model {loaded.name}, indexer {type(indexer).__name__}, {args.haystack} haystack of {len(hay_ids)} tokens, threads {torch.get_num_threads()}", flush=True)
-    print(f"{'length':>8} {'mode':>9} {'accuracy':>9} {'trials':>6} {'prefill tok/s':>13}  hits per depth (5%..95%)")
+    depths = args.depths
+    names = f"{100 * min(depths):.0f}%..{100 * max(depths):.0f}%" if len(depths) > 1 else f"{100 * depths[0]:.0f}%"
+    print(f"{'length':>8} {'mode':>9} {'accuracy':>9} {'trials':>6} {'prefill tok/s':>13}  hits per depth ({names})")
     for length in args.lengths:
-        trials = [(DEPTHS[i % 10], rng.randrange(10000, 100000)) for i in range(args.trials)]
+        trials = [(depths[i % len(depths)], rng.randrange(10000, 100000)) for i in range(args.trials)]
         trials.sort(reverse=True)  # deepest needle first: each next trial re-reads only what follows its needle
         for mode in args.modes:
             attention = None if mode == "dense" else IndexPoolConfig(topk=args.topk, window=args.window,
@@ -81,13 +95,15 @@ def run(args) -> None:
                                                                      segment_block=args.segment_block)
             session = Session(loaded.model, length + 16, attention=attention, indexer=indexer if attention else None,
                               segment_indexer=for_segments if attention else None)
-            hits, speeds = {d: 0 for d in DEPTHS}, []
+            hits, speeds = {d: 0 for d in depths}, []
             for depth, key in trials:
                 prompt, _ = build_prompt(tokenizer, hay_ids, length, depth, key)
                 pairs = zip(session.tokens, prompt)
                 common = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(session.tokens), len(prompt)))
                 stats = GenerationStats()
-                out = list(session.generate(prompt, Sampler(SamplingParams(temperature=0)), 8, stats=stats))
+                progress = long_read_progress(f"{length}:{mode} depth {depth:.2f}", len(prompt) - common)
+                out = list(session.generate(prompt, Sampler(SamplingParams(temperature=0)), 8, stats=stats,
+                                            on_prefill_progress=progress if args.verbose else None))
                 elapsed = stats.prefill_seconds
                 answer = tokenizer.decode(out)
                 found = re.findall(r"\d+", answer.replace(" ", ""))
@@ -96,7 +112,7 @@ def run(args) -> None:
                 if args.verbose:
                     print(f"  {length} {mode} depth {depth:.2f} key {key} -> {answer!r} ({elapsed:.1f} s)", flush=True)
             n_ok = sum(hits.values())
-            per_depth = " ".join(str(hits[d]) for d in DEPTHS)
+            per_depth = " ".join(str(hits[d]) for d in sorted(depths))
             print(f"{length:>8} {mode:>9} {100 * n_ok / len(trials):>8.0f}% {len(trials):>6} "
                   f"{statistics.median(speeds):>13.0f}  {per_depth}", flush=True)
             del session
@@ -107,6 +123,8 @@ def main() -> None:
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 32768])
     parser.add_argument("--modes", type=lambda s: s.split(","), default=["indexpool", "dense"])
     parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--depths", type=depth_list, default=DEPTHS,
+                        help="comma-separated needle depths in (0, 1); trials cycle through them (default: 5%%..95%% by 10%%)")
     parser.add_argument("--haystack", choices=["filler", "natural"], default="natural")
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")

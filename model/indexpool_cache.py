@@ -377,7 +377,8 @@ class IndexPoolCache:
         index_q, weights = indexer.queries(layer, x, q)
         if self.per_query:
             scores = indexer.score(layer, index_q, weights, pooled)[0]  # (T, P)
-            scores = F.pad(scores, (0, 0, 0, -T % self.query_block)).view(n_blocks, -1, scores.shape[1]).sum(1)
+            if self.query_block > 1:  # blocks of queries share the sum of their scores
+                scores = F.pad(scores, (0, 0, 0, -T % self.query_block)).view(n_blocks, -1, scores.shape[1]).sum(1)
             pools = scores.topk(s.topk // s.kpool, dim=-1, sorted=False).indices  # sorted below
         else:
             pools = self._block_pools(layer, indexer, index_q, weights, pooled)
