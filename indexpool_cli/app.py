@@ -760,7 +760,8 @@ def _read_glm5_next_config(path: Path):
 def _glm5_next_facts(cfg, dtype, lengths: list[int]) -> dict:
     """glm5_next's shape and cache, as this engine stores it (MLA latents in `dtype`, pooled indexer keys in bf16):
     per token, the latents of every MLA layer and one pooled key per kpool tokens of every indexer layer; per
-    sequence, a fixed state (KDA recurrent and conv states, indexer tails); and the total at each length."""
+    sequence, a fixed state (KDA recurrent and conv states, indexer tails); and the total at each length, next to
+    the totals with a per-token DSA indexer and with dense MLA."""
     import torch
 
     from model.glm5_next import cache_size
@@ -787,9 +788,16 @@ def _glm5_next_facts(cfg, dtype, lengths: list[int]) -> dict:
         "pooled_index_fp8_bytes_per_token": one_pool_fp8.index_bytes / kpool,
         "fixed_state_bytes": one_pool.fixed_bytes,
     }
-    sizes = {str(n): cache_size(cfg, n, dtype, torch.bfloat16) for n in lengths}
-    facts["cache_bytes"] = {n: {"mla_latent": s.latent_bytes, "pooled_index": s.index_bytes,
-                                "fixed_state": s.fixed_bytes, "total": s.total_bytes} for n, s in sizes.items()}
+    facts["cache_bytes"] = {}
+    for n in lengths:
+        size = cache_size(cfg, n, dtype, torch.bfloat16)
+        facts["cache_bytes"][str(n)] = {
+            "mla_latent": size.latent_bytes, "pooled_index": size.index_bytes, "fixed_state": size.fixed_bytes,
+            "total": size.total_bytes,
+            # the same model with a DSA indexer keeping one bf16 key per token, and with dense MLA (no indexer)
+            "per_token_dsa_total": cache_size(cfg, n, dtype, torch.bfloat16, "per_token").total_bytes,
+            "dense_mla_total": cache_size(cfg, n, dtype, index="none").total_bytes,
+        }
     return facts
 
 

@@ -532,7 +532,7 @@ class Glm5NextCache:
 class CacheSize:
     n_tokens: int
     latent_bytes: int  # MLA latents, all MLA layers
-    index_bytes: int  # pooled indexer keys, all indexer layers
+    index_bytes: int  # indexer keys (pooled, or one per token for comparison), all indexer layers
     fixed_bytes: int  # KDA states and indexer tails
 
     @property
@@ -540,19 +540,26 @@ class CacheSize:
         return self.latent_bytes + self.index_bytes + self.fixed_bytes
 
 
+INDEX_LAYOUTS = ("pooled", "per_token", "none")
+
+
 def cache_size(config: Glm5NextConfig, n_tokens: int, dtype: torch.dtype = torch.bfloat16,
-               index_dtype: torch.dtype = torch.bfloat16) -> CacheSize:
+               index_dtype: torch.dtype = torch.bfloat16, index: str = "pooled") -> CacheSize:
     """Bytes `Glm5NextCache` needs for one sequence of n_tokens, computed from the config alone (no allocation):
-    for the released model, `cache_size(Glm5NextConfig(), 1 << 20)`. The MTP layer's own cache is not counted."""
+    for the released model, `cache_size(Glm5NextConfig(), 1 << 20)`. The MTP layer's own cache is not counted.
+    index: "pooled" (this cache: one key per kpool tokens, and the unfinished pools' tails), or for comparison
+    "per_token" (a DSA indexer's one key per token, as DeepSeek-V3.2 stores it) or "none" (dense MLA)."""
+    if index not in INDEX_LAYOUTS:
+        raise ValueError(f"index must be one of {', '.join(INDEX_LAYOUTS)}, not {index!r}")
     n_mla, n_index, n_kda = len(config.mla_layers), len(config.indexer_layers), len(config.kda_layers)
     latent = n_mla * n_tokens * config.kv_lora_rank * dtype.itemsize
-    pool_bytes = config.index_head_dim * index_dtype.itemsize + (4 if index_dtype == FP8_DTYPE else 0)
-    index = n_index * (n_tokens // config.index_kpool) * pool_bytes
+    key_bytes = config.index_head_dim * index_dtype.itemsize + (4 if index_dtype == FP8_DTYPE else 0)
+    keys = {"pooled": n_tokens // config.index_kpool, "per_token": n_tokens, "none": 0}[index]
     qkv = config.linear_num_heads * config.linear_head_dim
     kda = n_kda * (config.linear_num_heads * config.linear_head_dim ** 2 * 4
                    + (config.linear_conv_kernel_dim - 1) * 3 * qkv * dtype.itemsize)
-    tails = 2 * n_index * (config.index_kpool - 1) * config.index_head_dim * 4
-    return CacheSize(n_tokens, latent, index, kda + tails)
+    tails = 2 * n_index * (config.index_kpool - 1) * config.index_head_dim * 4 if index == "pooled" else 0
+    return CacheSize(n_tokens, latent, n_index * keys * key_bytes, kda + tails)
 
 
 # ------------------------------------------------------------------------------------------------ the layers

@@ -105,8 +105,12 @@ def test_info_config_sizes_the_released_cache_without_weights(tmp_path):
     assert set(facts["cache_bytes"]) == {str(128 * 1024), str(1 << 20)}  # the default --tokens: 128K and 1M
     fixed = facts["fixed_state_bytes"]
     assert fixed >= 34 * 64 * 128 * 128 * 4  # the KDA states, fp32
+    kda = 34 * (64 * 128 * 128 * 4 + 3 * 3 * 64 * 128 * 2)  # states, fp32; conv windows of 3 tokens, bf16
+    assert fixed == kda + 2 * 11 * 3 * 128 * 4  # and each indexer's unfinished-pool tail (keys, gates), fp32
     for n, row in facts["cache_bytes"].items():
         assert row["total"] == int(n) * (11 * 512 * 2 + 11 * 128 * 2 // 4) + fixed
+        assert row["per_token_dsa_total"] == int(n) * (11 * 512 * 2 + 11 * 128 * 2) + kda  # a key per token
+        assert row["dense_mla_total"] == int(n) * 11 * 512 * 2 + kda
 
 
 def test_info_config_errors(tmp_path):

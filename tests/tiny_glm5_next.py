@@ -5,8 +5,7 @@ tensor per expert, the KDA conv split into q/k/v). transformers does not build t
 from transformers' attention and MoE modules and written as layer `num_hidden_layers`. `quantize_fp8` rewrites a
 checkpoint with FP8 e4m3 weights and per-block `weight_scale_inv`, as the released FP8 checkpoint stores them.
 
-Run as a script to print the MTP acceptance rate of self-speculative decoding:
-    python -m tests.tiny_glm5_next [--checkpoint DIR] [--prompt-tokens 40] [--new-tokens 40]
+`benchmarks/mtp_speculative.py` measures self-speculative decoding on one of these checkpoints.
 """
 
 from __future__ import annotations
@@ -248,42 +247,3 @@ def build_checkpoint(path: Path, seed: int = 0, **overrides):
     save_checkpoint(model, path, mtp)
     write_tokenizer(path, model.config.text_config.vocab_size)
     return model, mtp
-
-
-def main() -> None:
-    import argparse
-    import tempfile
-    import time
-
-    from model.glm5_next import greedy_generate, speculative_generate
-    from model.glm5_next_loader import load_glm5_next
-
-    parser = argparse.ArgumentParser(description="MTP acceptance rate of self-speculative greedy decoding")
-    parser.add_argument("--checkpoint", type=Path, help="a glm5_next directory (default: a tiny random one)")
-    parser.add_argument("--prompt-tokens", type=int, default=40)
-    parser.add_argument("--new-tokens", type=int, default=40)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.checkpoint is None:
-            build_checkpoint(Path(tmp), args.seed)
-            model = load_glm5_next(Path(tmp), torch.float32)
-        else:
-            model = load_glm5_next(args.checkpoint, torch.bfloat16)
-    for note in model.load_notes:
-        print("note:", note)
-    prompt = torch.randint(0, model.config.vocab_size, (args.prompt_tokens,),
-                           generator=torch.Generator().manual_seed(args.seed)).tolist()
-    t0 = time.perf_counter()
-    plain = greedy_generate(model, prompt, args.new_tokens)
-    t1 = time.perf_counter()
-    drafted, stats = speculative_generate(model, prompt, args.new_tokens)
-    t2 = time.perf_counter()
-    print(f"greedy: {args.new_tokens} tokens in {t1 - t0:.2f}s; speculative: {t2 - t1:.2f}s, "
-          f"{stats.accepted}/{stats.drafted} drafts accepted (acceptance rate {stats.acceptance_rate:.1%}); "
-          f"outputs {'identical' if drafted == plain else 'DIFFER'}")
-
-
-if __name__ == "__main__":
-    main()
