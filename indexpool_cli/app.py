@@ -22,7 +22,7 @@ import typer
 
 from model.errors import ModelLoadError
 
-from .attention import AttentionChoice, attention_options, open_session
+from .attention import AttentionChoice, attention_options, open_session, speculative_session
 from .console import InputError, err_console, fail, prefill_progress, read_text_input, show_stats
 from .ingest import IngestError
 from .options import option_group
@@ -203,6 +203,7 @@ def complete(
     file: Annotated[Optional[str], typer.Option("--file", help="Complete inside this file (path as listed in the folder), with the rest of the folder as context.")] = None,
     line: Annotated[Optional[int], typer.Option("--line", min=1, help="With --file: continue after this line (default: the end of the file).")] = None,
     max_new_tokens: MaxNewOpt = 256,
+    speculative: Annotated[bool, typer.Option("--speculative", help="glm5_next models: greedy decoding (needs --temperature 0) with the model's MTP layer drafting a token that the next forward checks; the same text, in fewer forwards when drafts are right.")] = False,
     run: RunChoice = None,
     sampling: SamplingChoice = None,
     attention: AttentionChoice = None,
@@ -227,10 +228,14 @@ def complete(
     ids = ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(text)
     if not ids:
         raise InputError("the prompt is empty")
-    session = open_session(loaded, attention, len(ids) + max_new_tokens)
+    if speculative:
+        session = speculative_session(loaded, attention, len(ids) + max_new_tokens, sampler)
+    else:
+        session = open_session(loaded, attention, len(ids) + max_new_tokens)
     out, stats = _stream(session, tok, ids, sampler, max_new_tokens, run.json_out, run.quiet)
     if run.json_out:
-        print(json.dumps({"text": out, "model": loaded.name, **_stats_json(stats)}, ensure_ascii=False))
+        drafts = {"drafts": {"checked": stats.drafted, "kept": stats.accepted}} if speculative else {}
+        print(json.dumps({"text": out, "model": loaded.name, **_stats_json(stats), **drafts}, ensure_ascii=False))
     elif not run.quiet:
         show_stats(stats, newline=not out.endswith("\n"))
 

@@ -166,6 +166,26 @@ def native_sparse_session(loaded, choice: AttentionChoice, needed_tokens: int | 
     """A session of a model with its own sparse attention (glm5_next: the DSA indexer over MLA latents), which
     --attention auto and dense both run; IndexPool's settings do not apply to it."""
     from model.generate import Session
+
+    return Session(loaded.model, native_sparse_length(loaded, choice, needed_tokens))
+
+
+def speculative_session(loaded, choice: AttentionChoice, needed_tokens: int, sampler):
+    """`complete --speculative`: greedy decoding with a glm5_next model's MTP layer drafting (`SpeculativeSession`),
+    after the checks a session of that model makes."""
+    from model.generate import SpeculativeSession
+
+    if getattr(loaded.model, "mtp", None) is None:
+        raise typer.BadParameter("--speculative drafts with a glm5_next model's MTP layer, and this model has none")
+    if sampler.params.temperature != 0:
+        raise typer.BadParameter("--speculative decodes greedily: add --temperature 0")
+    native_sparse_length(loaded, choice, needed_tokens)
+    return SpeculativeSession(loaded.model)
+
+
+def native_sparse_length(loaded, choice: AttentionChoice, needed_tokens: int | None) -> int:
+    """The cache length a glm5_next session gets for this input, or a one-line error: IndexPool asked for, an input
+    past the model's context, or a cache larger than the memory available."""
     from model.glm5_next import cache_size
 
     if choice.attention == "indexpool":
@@ -181,4 +201,4 @@ def native_sparse_session(loaded, choice: AttentionChoice, needed_tokens: int | 
     if available is not None and needed > 0.9 * available:
         raise InputError(f"the input needs {length:,} tokens of cache, about {needed / 2**30:.1f} GiB, more than the "
                          f"{available / 2**30:.1f} GiB of memory available; read less (--pages, a smaller folder)")
-    return Session(loaded.model, length)
+    return length

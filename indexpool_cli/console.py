@@ -60,7 +60,8 @@ def show_stats(stats, newline: bool) -> None:
     if newline:
         sys.stdout.write("\n")
         sys.stdout.flush()
+    drafts = f", {stats.accepted}/{stats.drafted} drafts kept" if stats.drafted else ""
     err_console.print(
         f"[dim]{stats.prompt_tokens} prompt tokens at {stats.prefill_tokens_per_second:.0f} tok/s, "
-        f"{stats.new_tokens} new at {stats.decode_tokens_per_second:.1f} tok/s ({stats.stop_reason})[/dim]"
+        f"{stats.new_tokens} new at {stats.decode_tokens_per_second:.1f} tok/s ({stats.stop_reason}{drafts})[/dim]"
     )

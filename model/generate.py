@@ -68,6 +68,8 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     stop_reason: str = ""  # "stop_token", "max_new_tokens" or "context_full"
+    drafted: int = 0  # speculative decoding (`SpeculativeSession`): drafts checked, and kept
+    accepted: int = 0
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -76,6 +78,40 @@ class GenerationStats:
     @property
     def decode_tokens_per_second(self) -> float:
         return self.new_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+class SpeculativeSession:
+    """`Session.generate` for one prompt, greedy, with the model's MTP layer drafting a token that the next forward
+    checks (`glm5_next.speculative_tokens`): the same tokens as greedy decoding, in fewer forwards when the drafts
+    are right. What `complete --speculative` runs; it keeps nothing between calls."""
+
+    def __init__(self, model):
+        if getattr(model, "mtp", None) is None:
+            raise ValueError("the model has no MTP layer to draft with")
+        self.model = model
+
+    def generate(self, prompt: list[int], sampler: Sampler, max_new_tokens: int,
+                 stop_ids: frozenset[int] | set[int] = frozenset(), stats: GenerationStats | None = None,
+                 on_prefill_progress: Callable[[int, int], None] | None = None) -> Iterator[int]:
+        from .glm5_next import SpeculativeStats, speculative_tokens
+
+        if sampler.params.temperature != 0:
+            raise ValueError("speculative decoding is greedy: it needs temperature 0")
+        stats = stats if stats is not None else GenerationStats()
+        stats.prompt_tokens, drafts = len(prompt), SpeculativeStats()
+        t0 = time.perf_counter()
+        stats.stop_reason = "max_new_tokens"
+        for token in speculative_tokens(self.model, prompt, max_new_tokens, drafts,
+                                        on_prefill_progress=on_prefill_progress):
+            if not stats.prefill_seconds:  # the first token comes with the prompt's read
+                stats.prefill_seconds, t0 = time.perf_counter() - t0, time.perf_counter()
+            stats.drafted, stats.accepted = drafts.drafted, drafts.accepted
+            if token in stop_ids:
+                stats.stop_reason = "stop_token"
+                break
+            stats.new_tokens += 1
+            yield token
+        stats.decode_seconds = time.perf_counter() - t0
 
 
 class Session:

@@ -14,6 +14,7 @@ output), and the pooled indexer keys. Facts are from SPEC.md section 2 and trans
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -963,24 +964,39 @@ def greedy_generate(model: Glm5NextModel, prompt: list[int], max_new_tokens: int
 
 
 @torch.inference_mode()
-def speculative_generate(model: Glm5NextModel, prompt: list[int],
-                         max_new_tokens: int) -> tuple[list[int], SpeculativeStats]:
-    """Greedy decoding with the MTP layer drafting one token: the main model checks [last token, draft] in one
-    forward, keeps the draft when its own choice agrees (and gains the next token too), else drops it and rewinds
-    its cache by one. The MTP layer only ever sees confirmed tokens. Output equals `greedy_generate`'s."""
+def speculative_tokens(model: Glm5NextModel, prompt: list[int], max_new_tokens: int,
+                       stats: SpeculativeStats | None = None, segment: int = 512,
+                       on_prefill_progress: Callable[[int, int], None] | None = None) -> Iterator[int]:
+    """Greedy decoding with the MTP layer drafting one token, yielding each token as it is confirmed: the main
+    model checks [last token, draft] in one forward, keeps the draft when its own choice agrees (and gains the next
+    token too), else drops it and rewinds its cache by one. The MTP layer only ever sees confirmed tokens. The
+    tokens are `greedy_generate`'s. The prompt is read in segments of `segment` tokens (the MTP layer reading each
+    after the main model), calling on_prefill_progress(done, total) after each."""
     _check_prompt(model, prompt, max_new_tokens)
+    stats = stats if stats is not None else SpeculativeStats()
     device = model.embed_tokens.weight.device
     capacity = len(prompt) + max_new_tokens + 2
     cache, mtp_cache = model.new_cache(capacity, rewindable=True), model.new_mtp_cache(capacity)
-    stats = SpeculativeStats()
     tokens = torch.tensor([prompt], device=device)
-    hidden = model.hidden_states(tokens, 0, cache)
-    out = [int(model.lm_head(hidden[0, -1]).argmax())]
-    next_tokens = torch.cat([tokens[:, 1:], torch.tensor([[out[-1]]], device=device)], dim=1)
-    draft = int(model.mtp_logits(next_tokens, hidden, 0, mtp_cache)[0, -1].argmax())
-    position = len(prompt)  # of out[-1], the newest token, not yet fed to the main model
-    while len(out) < max_new_tokens:
-        hidden = model.hidden_states(torch.tensor([[out[-1], draft]], device=device), position, cache)
+    n = len(prompt)
+    for start in range(0, n, segment):
+        end = min(n, start + segment)
+        hidden = model.hidden_states(tokens[:, start:end], start, cache)
+        if end < n:  # the MTP layer reads each position with the token after it
+            model.mtp_logits(tokens[:, start + 1 : end + 1], hidden, start, mtp_cache)
+        if on_prefill_progress:
+            on_prefill_progress(end, n)
+    new = [int(model.lm_head(hidden[0, -1]).argmax())]
+    next_tokens = torch.cat([tokens[:, start + 1 :], torch.tensor([new], device=device)], dim=1)
+    draft = int(model.mtp_logits(next_tokens, hidden, start, mtp_cache)[0, -1].argmax())
+    position, produced = n, 0  # position: of new[-1], the newest token, not yet fed to the main model
+    while True:
+        for token in new[: max_new_tokens - produced]:
+            yield token
+        produced += len(new)
+        if produced >= max_new_tokens:
+            return
+        hidden = model.hidden_states(torch.tensor([[new[-1], draft]], device=device), position, cache)
         choices = model.lm_head(hidden[0]).argmax(-1).tolist()
         stats.drafted += 1
         if choices[0] == draft:
@@ -989,8 +1005,13 @@ def speculative_generate(model: Glm5NextModel, prompt: list[int],
         else:
             new = choices[:1]
             cache.truncate(position + 1)
-        out += new
         draft_logits = model.mtp_logits(torch.tensor([new], device=device), hidden[:, :len(new)], position, mtp_cache)
         draft = int(draft_logits[0, -1].argmax())
         position += len(new)
-    return out[:max_new_tokens], stats
+
+
+def speculative_generate(model: Glm5NextModel, prompt: list[int],
+                         max_new_tokens: int) -> tuple[list[int], SpeculativeStats]:
+    """All of `speculative_tokens`, and how many drafts were made and kept."""
+    stats = SpeculativeStats()
+    return list(speculative_tokens(model, prompt, max_new_tokens, stats)), stats

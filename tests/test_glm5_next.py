@@ -16,11 +16,13 @@ from model.generate import Sampler, SamplingParams, Session
 from model.glm5_next import (
     Glm5NextConfig,
     Glm5NextModel,
+    SpeculativeStats,
     cache_size,
     greedy_generate,
     kda_chunked,
     kda_recurrent,
     speculative_generate,
+    speculative_tokens,
 )
 from model.glm5_next_loader import dequantize_fp8_blocks, generation_stop_ids, load_glm5_next
 from model.indexpool import FP8_DTYPE
@@ -396,6 +398,22 @@ def test_speculative_decoding_equals_greedy(tiny, ids):
     out, stats = speculative_generate(ours, prompt, 25)
     assert out == greedy_generate(ours, prompt, 25)
     assert stats.drafted >= 12
+
+
+@pytest.mark.parametrize("segment", [1, 7, 36, 37])
+def test_speculative_decoding_reads_the_prompt_in_segments(tiny, ids, segment):
+    """The prompt read in segments (the MTP layer reading each after the main model, with the token after each
+    position; a last segment of one token too): the same tokens, and the same drafts as one read."""
+    ours = tiny.model
+    prompt = ids[0, :37].tolist()
+    whole = SpeculativeStats()
+    expected = list(speculative_tokens(ours, prompt, 20, whole))
+    stats, seen = SpeculativeStats(), []
+    got = list(speculative_tokens(ours, prompt, 20, stats, segment=segment,
+                                  on_prefill_progress=lambda done, total: seen.append((done, total))))
+    assert got == expected == greedy_generate(ours, prompt, 20)
+    assert (stats.drafted, stats.accepted) == (whole.drafted, whole.accepted)
+    assert seen == [(min(e, 37), 37) for e in range(segment, 37 + segment, segment)]
 
 
 def test_speculative_decoding_with_drafts_right_and_wrong(tiny, ids, monkeypatch):

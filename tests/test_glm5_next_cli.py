@@ -138,6 +138,36 @@ def test_complete_runs_the_models_own_attention(checkpoint, loaded):
     assert new_tokens > 0
 
 
+def test_speculative_complete_gives_the_greedy_text(checkpoint, loaded):
+    """--speculative (the MTP layer drafting, the next forward checking) prints the text plain greedy decoding
+    prints, and says in --json how many drafts it checked and kept; the stop on end tokens still holds."""
+    plain = json.loads(ok(indexpool("complete", "--model", str(checkpoint), *GREEDY, "--json", "-n", "20", PROMPT)))
+    drafted = json.loads(ok(indexpool("complete", "--model", str(checkpoint), *GREEDY, "--json", "-n", "20",
+                                      "--speculative", PROMPT)))
+    assert drafted["text"] == plain["text"] and drafted["new_tokens"] == plain["new_tokens"] > 0
+    assert drafted["stop_reason"] == plain["stop_reason"]
+    assert 0 <= drafted["drafts"]["kept"] <= drafted["drafts"]["checked"] and drafted["drafts"]["checked"] > 0
+    assert "drafts" not in plain
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--temperature", "0.7"], "--speculative decodes greedily"),  # sampling asked for
+    (["--temperature", "0", "--attention", "indexpool"], "IndexPool does not apply"),  # the checks of the model's own sessions still run
+])
+def test_speculative_complete_usage_errors(checkpoint, extra, message):
+    proc = indexpool("complete", "--model", str(checkpoint), "--dtype", "fp32", "--quiet", "--speculative", *extra,
+                     PROMPT)
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 2 and proc.stdout == b"" and "Traceback" not in stderr and message in stderr
+
+
+def test_speculative_needs_an_mtp_layer():
+    """The default model (llama family) has no MTP layer: a usage error naming the option."""
+    proc = indexpool("complete", "--temperature", "0", "--quiet", "--speculative", PROMPT)
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 2 and proc.stdout == b"" and "Traceback" not in stderr and "MTP layer" in stderr
+
+
 def test_indexpool_attention_is_a_usage_error(checkpoint):
     proc = indexpool("complete", "--model", str(checkpoint), *GREEDY, "--attention", "indexpool", PROMPT)
     stderr = proc.stderr.decode()
