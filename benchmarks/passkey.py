@@ -55,11 +55,15 @@ def haystack_text(kind: str) -> str:
     return "\n\n".join(parts)
 
 
+def needle_text(key: int) -> str:
+    return f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+
+
 def build_prompt(tokenizer, hay_ids: list[int], length: int, depth: float, key: int) -> tuple[list[int], int]:
     """Token ids of the chat prompt (about `length` tokens) and the index where the needle starts."""
     pre, post = tokenizer.render_chat([{"role": "user", "content": "\x00"}]).split("\x00")
     head = tokenizer.encode(pre, allow_special=True)
-    needle = tokenizer.encode(f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n")
+    needle = tokenizer.encode(needle_text(key))
     tail = tokenizer.encode(QUESTION + post + ANSWER_START, allow_special=True)
     n_hay = length - len(head) - len(needle) - len(tail)
     hay = (hay_ids * (n_hay // len(hay_ids) + 1))[:n_hay]
@@ -92,7 +96,8 @@ def run(args) -> None:
         for mode in args.modes:
             attention = None if mode == "dense" else IndexPoolConfig(topk=args.topk, window=args.window,
                                                                      sinks=args.sinks, segment=args.segment,
-                                                                     segment_block=args.segment_block)
+                                                                     segment_block=args.segment_block,
+                                                                     kv_storage=args.kv_storage)
             session = Session(loaded.model, length + 16, attention=attention, indexer=indexer if attention else None,
                               segment_indexer=for_segments if attention else None)
             hits, speeds = {d: 0 for d in depths}, []
@@ -139,6 +144,8 @@ def main() -> None:
     parser.add_argument("--segment", type=int, default=IndexPoolConfig.segment)
     parser.add_argument("--segment-block", type=int, default=IndexPoolConfig.segment_block,
                         help="queries of a prefill segment sharing one far selection (default: the engine's)")
+    parser.add_argument("--kv-storage", default=IndexPoolConfig.kv_storage,
+                        help="history K/V: auto (bf16 while it takes under a quarter of RAM, else int8), bf16 or int8")
     parser.add_argument("--verbose", action="store_true")
     run(parser.parse_args())
 

@@ -1,0 +1,76 @@
+"""Where a passkey needle's pools rank in the question's selection, layer by layer (why a passkey trial misses).
+
+Builds the passkey benchmark's prompt (`benchmarks/passkey.py`: filler haystack, the needle at `--depth`), reads it
+through the IndexPool cache with the default settings, and records the training-free indexer's per-query scores of
+the question's forward (the prompt's last tokens, which select their far pools one by one). Per layer: the best rank
+among the needle's pools for each question token (0 = the top pool), and how many question tokens keep it among
+the topk / kpool pools they attend to. Prints the first answer token too.
+
+    OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python benchmarks/needle_rank.py --length 32768 --depth 0.85 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer  # noqa: E402
+from model import indexers  # noqa: E402
+from model.generate import Session  # noqa: E402
+from model.indexpool_cache import IndexPoolConfig  # noqa: E402
+from model.runtime import load_engine, set_threads  # noqa: E402
+from passkey import build_prompt, haystack_text, needle_text  # noqa: E402  (this script's folder is on sys.path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=32768)
+    parser.add_argument("--depth", type=float, default=0.85)
+    parser.add_argument("--key", type=int, default=65125)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    set_threads(args.threads)
+    loaded = load_engine(None)
+    tokenizer = loaded.tokenizer
+    prompt, needle_start = build_prompt(tokenizer, tokenizer.encode(haystack_text("filler")), args.length, args.depth,
+                                        args.key)
+    needle_end = needle_start + len(tokenizer.encode(needle_text(args.key)))
+    settings = IndexPoolConfig()
+    question: dict[int, torch.Tensor] = {}
+    score = indexers.TrainingFreeIndexer.score
+
+    def recorded(self, layer, q, weights, pooled, limits=None, chunk=8):
+        scores = score(self, layer, q, weights, pooled, limits, chunk)
+        if 1 < q.shape[1] <= settings.query_tokens and scores.shape[0] == 1:  # the question's per-query forward
+            question[layer] = scores[0].clone()
+        return scores
+
+    indexers.TrainingFreeIndexer.score = recorded
+    choice = AttentionChoice()
+    session = Session(loaded.model, len(prompt) + 1, attention=settings, indexer=default_indexer(choice, loaded),
+                      segment_indexer=segment_indexer(choice, loaded))
+    with torch.inference_mode():
+        logits = session.prefill(prompt)
+    first_pool = settings.sinks // settings.kpool
+    needle = torch.arange(needle_start // settings.kpool, (needle_end - 1) // settings.kpool + 1) - first_pool
+    keep = settings.topk // settings.kpool
+    pools = question[0].shape[1]
+    print(f"length {len(prompt)}, depth {args.depth}: needle pools {int(needle[0])}..{int(needle[-1])} of {pools} "
+          f"scored, {keep} kept; first answer token {tokenizer.decode([int(logits.argmax())])!r}")
+    print("layer  best needle-pool rank per question token (min / median / max)  tokens keeping it")
+    for layer in sorted(question):
+        scores = question[layer]
+        ranks = (scores[:, None, :] > scores[:, needle, None]).sum(-1).min(-1).values.tolist()  # pools above it
+        kept = sum(rank < keep for rank in ranks)
+        print(f"{layer:>5}  {min(ranks):>10} / {statistics.median(ranks):>8} / {max(ranks):>8}"
+              f"{kept:>28}/{len(ranks)}")
+
+
+if __name__ == "__main__":
+    main()
