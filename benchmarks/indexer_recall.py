@@ -40,7 +40,8 @@ from model.indexer_training import (DenseCapture, QueryRecorder, SparsePattern, 
 from model.indexpool_cache import IndexPoolCache, IndexPoolConfig  # noqa: E402
 from model.index_pruning import pruning_projection  # noqa: E402
 from model.indexers import TrainingFreeIndexer  # noqa: E402
-from model.indexpool import FP8_DTYPE, PooledIndexCache, per_token_index_bytes  # noqa: E402
+from model.indexpool import (FP8_DTYPE, PooledIndexCache, indexer_source_layers, layer_schedule,  # noqa: E402
+                             per_token_index_bytes)
 from model.lightning_indexer import LightningIndexer, ModelFingerprint, default_indexer_path  # noqa: E402
 from model.llama import apply_rope, rope_tables  # noqa: E402
 from model.runtime import load_engine  # noqa: E402
@@ -60,13 +61,13 @@ class IndexFiller:
 
     def _init_indexes(self, indexers: dict[str, tuple[object, torch.dtype]], length: int, device) -> None:
         self.indexers = indexers
-        self.indexes = {name: PooledIndexCache(indexer.ape, length, 1, dtype, device)
+        self.measured_indexes = {name: PooledIndexCache(indexer.ape, length, 1, dtype, device)
                         for name, (indexer, dtype) in indexers.items()}
 
     def fill_indexes(self, layer: int, qk: torch.Tensor, x: torch.Tensor) -> None:
         k = qk[:, :, self.n_heads :]
         for name, (indexer, _) in self.indexers.items():
-            self.indexes[name].append(layer, *indexer.keys(layer, x, k))
+            self.measured_indexes[name].append(layer, *indexer.keys(layer, x, k))
 
 
 class IndexingCapture(IndexFiller, DenseCapture):
@@ -85,9 +86,10 @@ class IndexPoolCapture(IndexFiller, QueryRecorder, IndexPoolCache):
     """The IndexPool cache reading as the engine reads (its own indexer, `reader`, choosing the far tokens), also
     keeping the queries at `query_positions` and filling the measured indexers' pooled indexes."""
 
-    def __init__(self, model, length, query_positions, indexers: dict[str, tuple[object, torch.dtype]], reader):
-        super().__init__(model.config, IndexPoolConfig(kv_storage="bf16"), reader, length, model.dtype,
-                         model.tok_embeddings.weight.device)
+    def __init__(self, model, length, query_positions, indexers: dict[str, tuple[object, torch.dtype]], reader,
+                 schedule=None):
+        super().__init__(model.config, IndexPoolConfig(kv_storage="bf16", schedule=schedule), reader, length,
+                         model.dtype, model.tok_embeddings.weight.device)
         self._init_recorder(model.config, query_positions, self.inv_freq.device)
         self._init_indexes(indexers, length, self.inv_freq.device)
 
@@ -160,11 +162,12 @@ def dense_key_rotated_back(cache: IndexingCapture, layer: int, cos: torch.Tensor
 
 @torch.inference_mode()
 def measure(model, tokens: list[int], n_positions: int, indexers: dict, pattern: SparsePattern,
-            reader=None) -> dict:
+            reader=None, schedule=None) -> dict:
     """{teacher: {method: (n_layers, Q) attention mass kept, averaged over heads}}. Read densely (reader None):
     the dense model as it is ("dense") and with far tokens at in-context distances ("in-context", see
     in_context_probs). Read through the IndexPool cache with `reader` choosing the far tokens: the in-context
-    attention of those states."""
+    attention of those states. schedule: the indexer schedule (IndexPoolConfig.schedule); a "shared" layer keeps
+    what the full layer before it chose (the oracle still chooses per layer)."""
     length = len(tokens)
     positions = torch.linspace(int(0.9 * length), length - 1, n_positions).round().long().unique()
     ids = torch.tensor([tokens])
@@ -172,19 +175,23 @@ def measure(model, tokens: list[int], n_positions: int, indexers: dict, pattern:
         cache, segment = IndexingCapture(model, length, positions, indexers), 512
         teachers = ["dense", "in-context"]
     else:
-        cache = IndexPoolCapture(model, length, positions, indexers, reader)
+        cache = IndexPoolCapture(model, length, positions, indexers, reader, schedule)
         segment, teachers = cache.settings.segment, ["in-context, IndexPool read"]
     for start in range(0, length, segment):
         model(ids[:, start : start + segment], start, cache)
     cos, sin = rope_tables(model.config, max(length, pattern.window + pattern.topk + pattern.sinks + 1), torch.float32)
     base = attended_tokens(positions, None, length, pattern)
     kept = {teacher: {name: [] for name in ["sinks + window", *indexers, "oracle"]} for teacher in teachers}
+    sources = indexer_source_layers(layer_schedule(schedule, model.config.n_layers))
+    chosen_in = {}  # each full layer's choices
     for layer in range(model.config.n_layers):
-        chosen = {"sinks + window": None}
-        for name, (indexer, _) in indexers.items():
-            index_q, weights = indexer.queries(layer, cache.query_x[layer, None], cache.queries[layer, None])
-            scores = indexer.score(layer, index_q, weights, cache.indexes[name].pooled(layer))[0]
-            chosen[name] = choose_pools(scores, positions, pattern)
+        if sources[layer] == layer:
+            chosen_in[layer] = {"sinks + window": None}
+            for name, (indexer, _) in indexers.items():
+                index_q, weights = indexer.queries(layer, cache.query_x[layer, None], cache.queries[layer, None])
+                scores = indexer.score(layer, index_q, weights, cache.measured_indexes[name].pooled(layer))[0]
+                chosen_in[layer][name] = choose_pools(scores, positions, pattern)
+        chosen = chosen_in[sources[layer]]
         attended = {name: base if pools is None else attended_tokens(positions, pools, length, pattern)
                     for name, pools in chosen.items()}
         if reader is None:
@@ -210,6 +217,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="CPU threads")
     parser.add_argument("--per-layer", action="store_true", help="also print every layer's figure")
     parser.add_argument("--no-pruned", action="store_true", help="leave out the pruned training-free indexer")
+    parser.add_argument("--schedule", type=lambda s: s.split(","), default=IndexPoolConfig.schedule,
+                        help="indexer schedule: full/shared per layer, a shorter pattern repeated (e.g. full,shared)")
     parser.add_argument("--states", choices=["dense", "indexpool"], default="dense",
                         help="read the text densely (default) or through the IndexPool cache, as the engine does")
     args = parser.parse_args()
@@ -240,7 +249,7 @@ def main() -> None:
     for length in lengths:
         t0 = time.perf_counter()
         reader = None if args.states == "dense" else default_indexer(AttentionChoice(), loaded)
-        kept = measure(loaded.model, tokens[:length], args.positions, indexers, pattern, reader)
+        kept = measure(loaded.model, tokens[:length], args.positions, indexers, pattern, reader, args.schedule)
         print(f"\n{length} tokens ({time.perf_counter() - t0:.0f} s)")
         for teacher, methods in kept.items():
             floor = methods["sinks + window"]

@@ -90,7 +90,8 @@ def worker(length: int, mode: str, decode: int, threads: int | None, options: di
     if mode == "indexpool":
         cache = session.cache
         result.update(cache.bytes_per_token())
-        result["per_token_index"] = per_token_index_bytes(cache.indexer.key_dim, torch.bfloat16) * config.n_layers
+        # A per-token index of the same width and dtype in the layers that hold one (the "full" indexer layers).
+        result["per_token_index"] = per_token_index_bytes(cache.indexer.key_dim, cache.index.dtype) * len(cache.index_slots)
         result["fixed_bytes"] = cache.fixed_bytes()
         result["kv_storage"] = cache.kv_storage
         result["indexer"] = type(indexer).__name__
@@ -113,12 +114,16 @@ def main() -> None:
     parser.add_argument("--offload-dir", default=None)
     parser.add_argument("--segment-block", type=int, default=None,
                         help="queries of a prefill segment sharing one far selection (default: the engine's)")
+    parser.add_argument("--schedule", default=None,
+                        help="indexer schedule: full/shared per layer, a shorter pattern repeated (e.g. full,shared)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     options = {"kv_storage": args.kv_storage, "index_dtype": args.index_dtype, "offload_dir": args.offload_dir,
                "indexer": args.indexer, "prune_index": args.prune_index}
     if args.segment_block:
         options["segment_block"] = args.segment_block
+    if args.schedule:
+        options["schedule"] = args.schedule.split(",")
     if args.worker:
         length, mode = args.worker.split(":")
         print(json.dumps(worker(int(length), mode, args.decode, args.threads, options)))
@@ -135,6 +140,7 @@ def main() -> None:
         command += ["--threads", str(args.threads)] if args.threads else []
         command += ["--offload-dir", args.offload_dir] if args.offload_dir else []
         command += ["--segment-block", str(args.segment_block)] if args.segment_block else []
+        command += ["--schedule", args.schedule] if args.schedule else []
         command += [] if args.prune_index is None else ["--prune-index" if args.prune_index else "--no-prune-index"]
         done = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # the worker's progress and errors: stderr
         if done.returncode:

@@ -4,7 +4,8 @@ Builds the passkey benchmark's prompt (`benchmarks/passkey.py`: filler haystack,
 through the IndexPool cache with the default settings, and records the training-free indexer's per-query scores of
 the question's forward (the prompt's last tokens, which select their far pools one by one). Per layer: the best rank
 among the needle's pools for each question token (0 = the top pool), and how many question tokens keep it among
-the topk / kpool pools they attend to. Prints the first answer token too.
+the topk / kpool pools they attend to; and the share of the question's attention (per query row: head and token)
+that lands on the needle's tokens, which is what the model reads the key from. Prints the first answer token too.
 
     OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python benchmarks/needle_rank.py --length 32768 --depth 0.85 --threads 1
 """
@@ -23,9 +24,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer  # noqa: E402
 from model import indexers  # noqa: E402
 from model.generate import Session  # noqa: E402
-from model.indexpool_cache import IndexPoolConfig  # noqa: E402
+from model.indexpool_cache import KV_STORAGE, AttentionEvidence, IndexPoolCache, IndexPoolConfig  # noqa: E402
 from model.runtime import load_engine, set_threads  # noqa: E402
-from passkey import build_prompt, haystack_text, needle_text  # noqa: E402  (this script's folder is on sys.path)
+from indexpool_scale import long_read_progress  # noqa: E402  (this script's folder is on sys.path)
+from passkey import build_prompt, haystack_text, needle_text  # noqa: E402
+
+
+class NeedleEvidence:
+    """The cache's evidence hook (`IndexPoolCache.evidence`) kept per layer: the attention the question's rows put
+    on the needle's tokens, layer by layer (AttentionEvidence sums over layers)."""
+
+    def __init__(self, start: int, end: int, n_layers: int):
+        self.layers = [AttentionEvidence(start, end) for _ in range(n_layers)]
+        self.layer, self.local_band, self.queries = 0, 0, 0
+
+    def add(self, positions: torch.Tensor, mass: torch.Tensor) -> None:
+        self.layers[self.layer].add(positions, mass)
+
+
+def _add_evidence_per_layer(add_evidence):
+    def wrapped(self, layer, *args):
+        self.evidence.layer = layer
+        return add_evidence(self, layer, *args)
+
+    return wrapped
 
 
 def main() -> None:
@@ -34,6 +56,8 @@ def main() -> None:
     parser.add_argument("--depth", type=float, default=0.85)
     parser.add_argument("--key", type=int, default=65125)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--kv-storage", default=IndexPoolConfig.kv_storage, choices=KV_STORAGE,
+                        help="history K/V storage (auto: int8 past a quarter of RAM, as at 1M)")
     args = parser.parse_args()
     set_threads(args.threads)
     loaded = load_engine(None)
@@ -41,7 +65,7 @@ def main() -> None:
     prompt, needle_start = build_prompt(tokenizer, tokenizer.encode(haystack_text("filler")), args.length, args.depth,
                                         args.key)
     needle_end = needle_start + len(tokenizer.encode(needle_text(args.key)))
-    settings = IndexPoolConfig()
+    settings = IndexPoolConfig(kv_storage=args.kv_storage)
     question: dict[int, torch.Tensor] = {}
     score = indexers.TrainingFreeIndexer.score
 
@@ -55,21 +79,28 @@ def main() -> None:
     choice = AttentionChoice()
     session = Session(loaded.model, len(prompt) + 1, attention=settings, indexer=default_indexer(choice, loaded),
                       segment_indexer=segment_indexer(choice, loaded))
+    IndexPoolCache._add_evidence = _add_evidence_per_layer(IndexPoolCache._add_evidence)
+    evidence = NeedleEvidence(needle_start, needle_end, loaded.model.config.n_layers)
+    session.cache.evidence = evidence
     with torch.inference_mode():
-        logits = session.prefill(prompt)
+        logits = session.prefill(prompt, on_progress=long_read_progress(f"{len(prompt)}", len(prompt)))
+    rows = evidence.queries * loaded.model.config.n_heads  # question tokens x query heads
     first_pool = settings.sinks // settings.kpool
     needle = torch.arange(needle_start // settings.kpool, (needle_end - 1) // settings.kpool + 1) - first_pool
     keep = settings.topk // settings.kpool
     pools = question[0].shape[1]
     print(f"length {len(prompt)}, depth {args.depth}: needle pools {int(needle[0])}..{int(needle[-1])} of {pools} "
           f"scored, {keep} kept; first answer token {tokenizer.decode([int(logits.argmax())])!r}")
-    print("layer  best needle-pool rank per question token (min / median / max)  tokens keeping it")
+    print(f"kv storage {session.cache.kv_storage}; attention on the needle: mean share per question row "
+          f"({evidence.queries} tokens x {loaded.model.config.n_heads} heads)")
+    print("layer  best needle-pool rank per question token (min / median / max)  tokens keeping it  attention")
     for layer in sorted(question):
         scores = question[layer]
         ranks = (scores[:, None, :] > scores[:, needle, None]).sum(-1).min(-1).values.tolist()  # pools above it
         kept = sum(rank < keep for rank in ranks)
+        share = evidence.layers[layer].span_mass(needle_start, needle_end) / max(rows, 1)
         print(f"{layer:>5}  {min(ranks):>10} / {statistics.median(ranks):>8} / {max(ranks):>8}"
-              f"{kept:>28}/{len(ranks)}")
+              f"{kept:>28}/{len(ranks)}{share:>11.4f}")
 
 
 if __name__ == "__main__":

@@ -97,7 +97,8 @@ def run(args) -> None:
             attention = None if mode == "dense" else IndexPoolConfig(topk=args.topk, window=args.window,
                                                                      sinks=args.sinks, segment=args.segment,
                                                                      segment_block=args.segment_block,
-                                                                     kv_storage=args.kv_storage)
+                                                                     kv_storage=args.kv_storage,
+                                                                     schedule=args.schedule)
             session = Session(loaded.model, length + 16, attention=attention, indexer=indexer if attention else None,
                               segment_indexer=for_segments if attention else None)
             hits, speeds = {d: 0 for d in depths}, []
@@ -142,6 +143,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=IndexPoolConfig.window)
     parser.add_argument("--sinks", type=int, default=IndexPoolConfig.sinks)
     parser.add_argument("--segment", type=int, default=IndexPoolConfig.segment)
+    parser.add_argument("--schedule", type=lambda s: s.split(","), default=IndexPoolConfig.schedule,
+                        help="indexer schedule: full/shared per layer, a shorter pattern repeated (e.g. full,shared)")
     parser.add_argument("--segment-block", type=int, default=IndexPoolConfig.segment_block,
                         help="queries of a prefill segment sharing one far selection (default: the engine's)")
     parser.add_argument("--kv-storage", default=IndexPoolConfig.kv_storage,

@@ -70,13 +70,15 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=IndexPoolConfig.topk)
     parser.add_argument("--window", type=int, default=IndexPoolConfig.window)
     parser.add_argument("--segment", type=int, default=IndexPoolConfig.segment)
+    parser.add_argument("--schedule", type=lambda s: s.split(","), default=IndexPoolConfig.schedule,
+                        help="indexer schedule: full/shared per layer, a shorter pattern repeated (e.g. full,shared)")
     parser.add_argument("--segment-block", type=int, default=IndexPoolConfig.segment_block,
                         help="queries of a prefill segment sharing one far selection (default: the engine's)")
     args = parser.parse_args()
     set_threads(args.threads)
     loaded = load_engine(args.model)
     settings = IndexPoolConfig(topk=args.topk, window=args.window, segment=args.segment,
-                               segment_block=args.segment_block)
+                               segment_block=args.segment_block, schedule=args.schedule)
     choice = AttentionChoice(indexer=args.indexer, prune_index=args.prune_index)
     indexer, for_segments = default_indexer(choice, loaded), segment_indexer(choice, loaded)
     first_scored = settings.sinks + settings.topk + settings.window + settings.kpool

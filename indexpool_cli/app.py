@@ -830,7 +830,8 @@ def _indexpool_bytes(loaded) -> dict:
         parts[f"indexpool_history_kv_{kv_storage}_bytes_per_token"] = sizes["history_kv"]
         parts[f"indexpool_pooled_index_{index_dtype}_bytes_per_token"] = sizes["pooled_index"]
     parts["indexpool_indexer"] = type(indexer).__name__
-    parts["per_token_index_bf16_bytes_per_token"] = per_token_index_bytes(indexer.key_dim, torch.bfloat16) * loaded.config.n_layers
+    # A per-token index of the same width in the layers that hold one (the "full" indexer layers).
+    parts["per_token_index_bf16_bytes_per_token"] = per_token_index_bytes(indexer.key_dim, torch.bfloat16) * len(cache.index_slots)
     parts["indexpool_fixed_bytes"] = cache.fixed_bytes()
     return parts
 

@@ -242,6 +242,16 @@ def select_tokens(scores: torch.Tensor | None, query_positions: torch.Tensor, n_
     return selected.masked_fill(selected == n_tokens, -1)
 
 
+def layer_schedule(pattern: Sequence[str] | None, n_layers: int) -> list[str]:
+    """A per-layer "full"/"shared" indexer schedule from `pattern` repeated over the layers (["full", "shared"]:
+    every other layer reuses the selection of the layer before it); None: every layer full."""
+    if not pattern:
+        return ["full"] * n_layers
+    if len(pattern) > n_layers:
+        raise ValueError(f"the indexer schedule lists {len(pattern)} layers; the model has {n_layers}")
+    return [pattern[layer % len(pattern)] for layer in range(n_layers)]
+
+
 def indexer_source_layers(schedule: Sequence[str]) -> list[int]:
     """For each indexer layer of a "full"/"shared" schedule, the layer whose top-k selection it uses: itself when
     "full", the nearest earlier "full" layer when "shared" (GLM-5.2's IndexShare)."""

@@ -31,6 +31,10 @@ prefill time (session 7, from the mean query: 8K +2.2% against dense with one se
 +2.0% with blocks of 256, which read 32K 10% slower; docs/benchmarks.md).
 An optional second indexer (`segment_indexer`: `--indexer hybrid`), with a pooled index of its own, makes the
 shared selections (a segment's blocks, a forward read with one selection); the first one makes the per-query ones.
+Layers alternate by default between a "full" indexer and a "shared" one that reuses the layer before's selection
+(`IndexPoolConfig.schedule`, as GLM-5.2's IndexShare): scoring every pool in every layer was most of a decode
+step at 128K, and adjacent layers choose alike (docs/benchmarks.md, session 13: perplexity at 8K +1.5% against
+dense, +1.4% with every layer full; a 128K decode step ~40% shorter). Shared layers keep no pooled index.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from kernels import kernel_backend
 from kernels.cpu_attention import native_attention, native_prefill
 
 from .indexers import Indexer
-from .indexpool import FP8_DTYPE, PooledIndexCache, indexer_source_layers
+from .indexpool import FP8_DTYPE, PooledIndexCache, indexer_source_layers, layer_schedule
 from .llama import LlamaConfig, apply_rope, inverse_frequencies, rope_at
 
 INDEX_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8_DTYPE}
@@ -71,7 +75,7 @@ class IndexPoolConfig:
     index_dtype: str = "bf16"  # pooled index storage: bf16, fp16 or fp8 (e4m3, one scale per pooled key)
     kv_storage: str = "auto"  # history K/V: bf16, int8, or auto (bf16 while it takes under a quarter of RAM)
     offload_dir: str | None = None  # keep history K/V in a memory-mapped file in this directory
-    schedule: Sequence[str] | None = None  # per layer "full" or "shared" indexer; None: all full
+    schedule: Sequence[str] | None = ("full", "shared")  # per layer, a shorter pattern repeated; None: all full
 
     def validate(self, context_length: int) -> None:
         def need(ok: bool, message: str) -> None:
@@ -95,6 +99,8 @@ class IndexPoolConfig:
              f"segment candidates must be at least the pools selected (topk / kpool = {self.topk // self.kpool})")
         need(self.index_dtype in INDEX_DTYPES, f"index dtype must be one of {', '.join(INDEX_DTYPES)}")
         need(self.kv_storage in KV_STORAGE, f"kv storage must be one of {', '.join(KV_STORAGE)}")
+        if self.schedule:
+            indexer_source_layers(self.schedule)  # raises on an unknown kind or a leading "shared"
         if self.offload_dir is not None:
             need(os.path.isdir(self.offload_dir), f"offload directory {self.offload_dir} does not exist")
 
@@ -208,15 +214,18 @@ class IndexPoolCache:
         self.kv_storage = choose_kv_storage(settings.kv_storage, max_length, config, dtype)
         self.store = HistoryStore(n_layers, max_length, config.n_kv_heads, config.head_dim, self.kv_storage, dtype,
                                   settings.offload_dir, device)
-        self.index = PooledIndexCache(indexer.ape, max_length, 1, INDEX_DTYPES[settings.index_dtype], device)
+        self.sources = indexer_source_layers(layer_schedule(settings.schedule, n_layers))
+        # Layers with a "shared" indexer never score, so the pooled index holds the "full" ones only.
+        self.index_slots = {layer: slot for slot, layer in enumerate(sorted(set(self.sources)))}
+        full_layers = list(self.index_slots)
+        self.index = PooledIndexCache(indexer.ape[full_layers], max_length, 1, INDEX_DTYPES[settings.index_dtype],
+                                      device)
         # Optionally a second indexer (and pooled index) for the shared selections (see the module docstring).
         self.segment_indexer = segment_indexer
         self.segment_index = None if segment_indexer is None else \
-            PooledIndexCache(segment_indexer.ape, max_length, 1, INDEX_DTYPES[settings.index_dtype], device)
+            PooledIndexCache(segment_indexer.ape[full_layers], max_length, 1, INDEX_DTYPES[settings.index_dtype],
+                             device)
         self.indexes = [self.index] + ([] if self.segment_index is None else [self.segment_index])
-        self.sources = indexer_source_layers(settings.schedule or ["full"] * n_layers)
-        if len(self.sources) != n_layers:
-            raise ValueError(f"the indexer schedule lists {len(self.sources)} layers; the model has {n_layers}")
         # The window, plus a segment, plus the up to kpool - 1 tokens by which ws is rounded down.
         self.recent_capacity = settings.window + settings.segment + settings.kpool
         recent_shape = (n_layers, config.n_kv_heads, self.recent_capacity, config.head_dim)
@@ -235,7 +244,7 @@ class IndexPoolCache:
     def bytes_per_token(self) -> dict[str, float]:
         """Bytes per token over all layers: history K/V, pooled index (amortised over a pool)."""
         return {"history_kv": self.store.bytes_per_token(),
-                "pooled_index": sum(index.bytes_per_token() for index in self.indexes) * self.config.n_layers}
+                "pooled_index": sum(index.bytes_per_token() for index in self.indexes) * len(self.index_slots)}
 
     def fixed_bytes(self) -> int:
         """Buffers whose size does not grow with the input: the recent window, the index tail."""
@@ -276,7 +285,7 @@ class IndexPoolCache:
             target.copy_(state[name])
         self.recent_start = ws
         for index in self.indexes:
-            index._n_tokens = [n] * self.config.n_layers
+            index._n_tokens = [n] * index.n_layers
         self.length = n
 
     def _state_views(self, n: int, recent_start: int) -> dict[str, torch.Tensor]:
@@ -418,7 +427,7 @@ class IndexPoolCache:
         """The pooled keys [first_pool, end_pool) of `index` in the compute dtype, which the indexer's matmuls run
         in. The engine computes in fp32 on a CPU without native bf16, and there a bf16 matmul is emulated: one query
         against 8,208 bf16 pools took 3.19 ms, 0.48 ms with the keys widened first (AVX2 EPYC, one thread)."""
-        return index.pooled(layer)[:, first_pool:end_pool].to(self.dtype)
+        return index.pooled(self.index_slots[layer])[:, first_pool:end_pool].to(self.dtype)
 
     def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Attention over the far part (sinks + selected, per query block) and the recent window, computed
@@ -428,8 +437,9 @@ class IndexPoolCache:
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         T, group = qk.shape[1], H // KV
         q, k = qk[:, :, :H], qk[:, :, H:]  # un-rotated
-        for index, indexer in zip(self.indexes, (self.indexer, self.segment_indexer)):
-            index.append(layer, *indexer.keys(layer, x, k))
+        if layer in self.index_slots:
+            for index, indexer in zip(self.indexes, (self.indexer, self.segment_indexer)):
+                index.append(self.index_slots[layer], *indexer.keys(layer, x, k))
         self.store.write(layer, self.start, k[0], v[0])
         qk_rot = apply_rope(qk, self.cos, self.sin).to(self.dtype)[0]  # q and k heads rotated in one go
         q_rot = qk_rot[:, :H]  # (T, H, D)

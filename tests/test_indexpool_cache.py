@@ -13,7 +13,7 @@ import torch
 
 from model.generate import Session
 from model.indexers import TrainingFreeIndexer
-from model.indexpool import PooledIndexCache, indexer_source_layers, per_token_index_bytes, pool_keys
+from model.indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes, pool_keys
 from model.indexpool_cache import INDEX_DTYPES, IndexPoolCache, IndexPoolConfig
 from model.lightning_indexer import LightningIndexer, LightningIndexerConfig, ModelFingerprint
 from model.llama import LlamaConfig, Transformer, apply_rope, inverse_frequencies, rope_at
@@ -48,7 +48,7 @@ class ReferenceCache:
         self.index_keys = {kind: torch.zeros(L, max_length, i.key_dim) for kind, i in self.indexers.items()}
         self.gates = {kind: torch.zeros(L, max_length, i.key_dim) for kind, i in self.indexers.items()}
         self.inv_freq = inverse_frequencies(config)
-        self.sources = indexer_source_layers(settings.schedule or ["full"] * L)
+        self.sources = indexer_source_layers(layer_schedule(settings.schedule, L))
         self.length = 0
 
     def truncate(self, length):
@@ -231,6 +231,12 @@ def test_shared_indexer_layers_reuse_the_full_layers_selection():
     session.cache.on_select = lambda layer, positions, far: seen.__setitem__(layer, far)
     session.prefill(prompt[0])
     assert seen[1] is seen[0] and not torch.equal(seen[2], seen[0])
+    # A shorter pattern repeats over the layers; the pooled index holds the full layers only.
+    pattern = dict(settings, schedule=["full", "shared"])
+    assert torch.equal(run_session(model, pattern, prompt), run_session(model, settings, prompt))
+    every_layer = Session(model, 256, attention=IndexPoolConfig(**SETTINGS, schedule=["full"])).cache
+    assert (session.cache.index.n_layers, every_layer.index.n_layers) == (2, 3)
+    assert session.cache.bytes_per_token()["pooled_index"] == every_layer.bytes_per_token()["pooled_index"] * 2 / 3
 
 
 def test_offloaded_history_equals_in_memory(tmp_path):
@@ -385,8 +391,8 @@ def test_evidence_is_the_same_through_the_c_kernel_and_the_torch_path(monkeypatc
 
 
 def test_bytes_per_token_and_memory_parts():
-    cache = IndexPoolCache(CONFIG, IndexPoolConfig(**SETTINGS, kv_storage="int8"), TrainingFreeIndexer(CONFIG), 64,
-                           torch.float32)
+    cache = IndexPoolCache(CONFIG, IndexPoolConfig(**SETTINGS, kv_storage="int8", schedule=["full"]),
+                           TrainingFreeIndexer(CONFIG), 64, torch.float32)
     parts = cache.bytes_per_token()
     width = CONFIG.kv_dim
     assert parts["history_kv"] == CONFIG.n_layers * 2 * (width + 4 * CONFIG.n_kv_heads)  # int8 + fp32 scales

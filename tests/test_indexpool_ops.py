@@ -10,6 +10,7 @@ from model.indexpool import (
     fp8_dequantize,
     fp8_quantize,
     indexer_source_layers,
+    layer_schedule,
     per_token_index_bytes,
     pool_keys,
     score_pools,
@@ -258,3 +259,9 @@ def test_shared_indexer_schedule():
         indexer_source_layers(["shared", "full"])
     with pytest.raises(ValueError, match="unknown kind"):
         indexer_source_layers(["full", "sparse"])
+    # A pattern repeats over the layers (the last repeat cut short); none means every layer full.
+    assert layer_schedule(["full", "shared", "shared"], 7) == ["full", "shared", "shared"] * 2 + ["full"]
+    assert layer_schedule(None, 3) == ["full"] * 3
+    assert layer_schedule(["full", "shared"], 2) == ["full", "shared"]
+    with pytest.raises(ValueError, match="lists 3 layers; the model has 2"):
+        layer_schedule(["full", "shared", "full"], 2)
