@@ -218,7 +218,7 @@ def main() -> None:
     parser.add_argument("--per-layer", action="store_true", help="also print every layer's figure")
     parser.add_argument("--no-pruned", action="store_true", help="leave out the pruned training-free indexer")
     parser.add_argument("--schedule", type=lambda s: s.split(","), default=IndexPoolConfig.schedule,
-                        help="indexer schedule: full/shared per layer, a shorter pattern repeated (e.g. full,shared)")
+                        help="indexer schedule: full/shared, a pattern repeated over the layers (e.g. full,shared; full: every layer)")
     parser.add_argument("--states", choices=["dense", "indexpool"], default="dense",
                         help="read the text densely (default) or through the IndexPool cache, as the engine does")
     args = parser.parse_args()

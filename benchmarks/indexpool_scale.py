@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--segment-block", type=int, default=None,
                         help="queries of a prefill segment sharing one far selection (default: the engine's)")
     parser.add_argument("--schedule", default=None,
-                        help="indexer schedule: full/shared per layer, a shorter pattern repeated (e.g. full,shared)")
+                        help="indexer schedule: full/shared, a pattern repeated over the layers (e.g. full,shared; full: every layer)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     options = {"kv_storage": args.kv_storage, "index_dtype": args.index_dtype, "offload_dir": args.offload_dir,

@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--sinks", type=int, default=IndexPoolConfig.sinks)
     parser.add_argument("--segment", type=int, default=IndexPoolConfig.segment)
     parser.add_argument("--schedule", type=lambda s: s.split(","), default=IndexPoolConfig.schedule,
-                        help="indexer schedule: full/shared per layer, a shorter pattern repeated (e.g. full,shared)")
+                        help="indexer schedule: full/shared, a pattern repeated over the layers (e.g. full,shared; full: every layer)")
     parser.add_argument("--segment-block", type=int, default=IndexPoolConfig.segment_block,
                         help="queries of a prefill segment sharing one far selection (default: the engine's)")
     parser.add_argument("--kv-storage", default=IndexPoolConfig.kv_storage,

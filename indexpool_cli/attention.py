@@ -10,7 +10,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from model.indexpool import layer_schedule
 from model.indexpool_cache import INDEX_DTYPES, KV_STORAGE, IndexPoolConfig
 
 from .console import InputError
@@ -32,7 +31,7 @@ class AttentionChoice:
     prune_index: Annotated[Optional[bool], typer.Option("--prune-index/--no-prune-index", help="IndexPool, training-free indexer: store the pooled index keys projected onto the directions holding 95% of each layer's key variance (calibrated once per model, ~15 s; docs/benchmarks.md has what it does to recall and speed). Default: on for the training-free indexer.")] = None
     index_dtype: Annotated[str, typer.Option("--index-dtype", help="IndexPool pooled-index storage: bf16, fp16 or fp8.")] = IndexPoolConfig.index_dtype
     kv_storage: Annotated[str, typer.Option("--kv-storage", help="IndexPool history K/V: auto (bf16 while it takes under a quarter of RAM, else int8), bf16 or int8.")] = IndexPoolConfig.kv_storage
-    indexer_schedule: Annotated[str, typer.Option("--indexer-schedule", help="IndexPool: which layers score pools (full) and which reuse the selection of the full layer before them (shared), comma-separated, a shorter pattern repeated over the layers; 'full' scores in every layer.")] = ",".join(IndexPoolConfig.schedule or ["full"])
+    indexer_schedule: Annotated[str, typer.Option("--indexer-schedule", help="IndexPool: which layers score pools (full) and which reuse the selection of the full layer before them (shared), comma-separated, a pattern repeated over the layers; 'full' scores in every layer.")] = ",".join(IndexPoolConfig.schedule or ["full"])
     offload_dir: Annotated[Optional[Path], typer.Option("--offload-dir", help="IndexPool: keep history K/V in a memory-mapped file in this directory (deleted on exit).")] = None
 
     def settings(self) -> IndexPoolConfig:
@@ -147,7 +146,6 @@ def open_session(loaded, choice: AttentionChoice, needed_tokens: int | None, aut
     settings = choice.settings()
     try:  # the knobs are checked even when this input ends up dense
         settings.validate(context)
-        layer_schedule(settings.schedule, loaded.config.n_layers)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     mode = choice.attention

@@ -243,12 +243,10 @@ def select_tokens(scores: torch.Tensor | None, query_positions: torch.Tensor, n_
 
 
 def layer_schedule(pattern: Sequence[str] | None, n_layers: int) -> list[str]:
-    """A per-layer "full"/"shared" indexer schedule from `pattern` repeated over the layers (["full", "shared"]:
-    every other layer reuses the selection of the layer before it); None: every layer full."""
+    """A per-layer "full"/"shared" indexer schedule from `pattern` repeated over the layers and cut at the last one
+    (["full", "shared"]: every other layer reuses the selection of the layer before it); None: every layer full."""
     if not pattern:
         return ["full"] * n_layers
-    if len(pattern) > n_layers:
-        raise ValueError(f"the indexer schedule lists {len(pattern)} layers; the model has {n_layers}")
     return [pattern[layer % len(pattern)] for layer in range(n_layers)]
 
 

@@ -75,7 +75,7 @@ class IndexPoolConfig:
     index_dtype: str = "bf16"  # pooled index storage: bf16, fp16 or fp8 (e4m3, one scale per pooled key)
     kv_storage: str = "auto"  # history K/V: bf16, int8, or auto (bf16 while it takes under a quarter of RAM)
     offload_dir: str | None = None  # keep history K/V in a memory-mapped file in this directory
-    schedule: Sequence[str] | None = ("full", "shared")  # per layer, a shorter pattern repeated; None: all full
+    schedule: Sequence[str] | None = ("full", "shared")  # a pattern repeated over the layers; None: all full
 
     def validate(self, context_length: int) -> None:
         def need(ok: bool, message: str) -> None:

@@ -259,9 +259,8 @@ def test_shared_indexer_schedule():
         indexer_source_layers(["shared", "full"])
     with pytest.raises(ValueError, match="unknown kind"):
         indexer_source_layers(["full", "sparse"])
-    # A pattern repeats over the layers (the last repeat cut short); none means every layer full.
+    # A pattern repeats over the layers, cut at the last one (a one-layer model too); none means every layer full.
     assert layer_schedule(["full", "shared", "shared"], 7) == ["full", "shared", "shared"] * 2 + ["full"]
     assert layer_schedule(None, 3) == ["full"] * 3
     assert layer_schedule(["full", "shared"], 2) == ["full", "shared"]
-    with pytest.raises(ValueError, match="lists 3 layers; the model has 2"):
-        layer_schedule(["full", "shared", "full"], 2)
+    assert layer_schedule(["full", "shared"], 1) == ["full"]
