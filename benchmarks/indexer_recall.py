@@ -46,6 +46,7 @@ from model.lightning_indexer import LightningIndexer, ModelFingerprint, default_
 from model.llama import apply_rope, rope_tables  # noqa: E402
 from model.runtime import load_engine  # noqa: E402
 from indexpool_cli.attention import AttentionChoice, default_indexer  # noqa: E402
+from indexpool_scale import add_schedule_option  # noqa: E402  (this script's folder is on sys.path)
 
 
 TEACHERS = {
@@ -217,8 +218,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="CPU threads")
     parser.add_argument("--per-layer", action="store_true", help="also print every layer's figure")
     parser.add_argument("--no-pruned", action="store_true", help="leave out the pruned training-free indexer")
-    parser.add_argument("--schedule", type=lambda s: s.split(","), default=IndexPoolConfig.schedule,
-                        help="indexer schedule: full/shared, a pattern repeated over the layers (e.g. full,shared; full: every layer)")
+    add_schedule_option(parser)
     parser.add_argument("--states", choices=["dense", "indexpool"], default="dense",
                         help="read the text densely (default) or through the IndexPool cache, as the engine does")
     args = parser.parse_args()

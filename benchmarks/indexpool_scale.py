@@ -52,6 +52,16 @@ def long_read_progress(label: str, length: int):
     return progress
 
 
+def add_schedule_option(parser: argparse.ArgumentParser) -> None:
+    """--schedule, as the benchmarks take it: the indexer schedule (`IndexPoolConfig.schedule`), comma-separated."""
+    from model.indexpool_cache import IndexPoolConfig
+
+    parser.add_argument("--schedule", type=lambda text: [kind.strip() for kind in text.split(",")],
+                        default=list(IndexPoolConfig.schedule or ["full"]),
+                        help="indexer schedule: full/shared, a pattern repeated over the layers (e.g. full,shared; "
+                             "full: every layer)")
+
+
 def worker(length: int, mode: str, decode: int, threads: int | None, options: dict) -> dict:
     import torch
 
@@ -114,16 +124,13 @@ def main() -> None:
     parser.add_argument("--offload-dir", default=None)
     parser.add_argument("--segment-block", type=int, default=None,
                         help="queries of a prefill segment sharing one far selection (default: the engine's)")
-    parser.add_argument("--schedule", default=None,
-                        help="indexer schedule: full/shared, a pattern repeated over the layers (e.g. full,shared; full: every layer)")
+    add_schedule_option(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     options = {"kv_storage": args.kv_storage, "index_dtype": args.index_dtype, "offload_dir": args.offload_dir,
-               "indexer": args.indexer, "prune_index": args.prune_index}
+               "indexer": args.indexer, "prune_index": args.prune_index, "schedule": args.schedule}
     if args.segment_block:
         options["segment_block"] = args.segment_block
-    if args.schedule:
-        options["schedule"] = args.schedule.split(",")
     if args.worker:
         length, mode = args.worker.split(":")
         print(json.dumps(worker(int(length), mode, args.decode, args.threads, options)))
@@ -140,7 +147,7 @@ def main() -> None:
         command += ["--threads", str(args.threads)] if args.threads else []
         command += ["--offload-dir", args.offload_dir] if args.offload_dir else []
         command += ["--segment-block", str(args.segment_block)] if args.segment_block else []
-        command += ["--schedule", args.schedule] if args.schedule else []
+        command += ["--schedule", ",".join(args.schedule)]
         command += [] if args.prune_index is None else ["--prune-index" if args.prune_index else "--no-prune-index"]
         done = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # the worker's progress and errors: stderr
         if done.returncode:

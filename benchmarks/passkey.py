@@ -35,7 +35,7 @@ from model.generate import GenerationStats, SamplingParams, Sampler, Session  # 
 from model.indexpool_cache import IndexPoolConfig  # noqa: E402
 from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer  # noqa: E402
 from model.runtime import load_engine, set_threads  # noqa: E402
-from indexpool_scale import long_read_progress  # noqa: E402  (this script's folder is on sys.path)
+from indexpool_scale import add_schedule_option, long_read_progress  # noqa: E402  (this script's folder is on sys.path)
 
 DEPTHS = [0.05 + 0.1 * i for i in range(10)]
 QUESTION = "\n\nWhat is the pass key? Answer with the number only."
@@ -143,8 +143,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=IndexPoolConfig.window)
     parser.add_argument("--sinks", type=int, default=IndexPoolConfig.sinks)
     parser.add_argument("--segment", type=int, default=IndexPoolConfig.segment)
-    parser.add_argument("--schedule", type=lambda s: s.split(","), default=IndexPoolConfig.schedule,
-                        help="indexer schedule: full/shared, a pattern repeated over the layers (e.g. full,shared; full: every layer)")
+    add_schedule_option(parser)
     parser.add_argument("--segment-block", type=int, default=IndexPoolConfig.segment_block,
                         help="queries of a prefill segment sharing one far selection (default: the engine's)")
     parser.add_argument("--kv-storage", default=IndexPoolConfig.kv_storage,

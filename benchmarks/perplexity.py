@@ -25,6 +25,7 @@ from model.generate import Session  # noqa: E402
 from model.indexpool_cache import IndexPoolConfig  # noqa: E402
 from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer  # noqa: E402
 from model.runtime import load_engine, set_threads  # noqa: E402
+from indexpool_scale import add_schedule_option  # noqa: E402  (this script's folder is on sys.path)
 
 
 def natural_text_ids(tokenizer, offset: int, length: int) -> list[int]:
@@ -70,8 +71,7 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=IndexPoolConfig.topk)
     parser.add_argument("--window", type=int, default=IndexPoolConfig.window)
     parser.add_argument("--segment", type=int, default=IndexPoolConfig.segment)
-    parser.add_argument("--schedule", type=lambda s: s.split(","), default=IndexPoolConfig.schedule,
-                        help="indexer schedule: full/shared, a pattern repeated over the layers (e.g. full,shared; full: every layer)")
+    add_schedule_option(parser)
     parser.add_argument("--segment-block", type=int, default=IndexPoolConfig.segment_block,
                         help="queries of a prefill segment sharing one far selection (default: the engine's)")
     args = parser.parse_args()
