@@ -7,6 +7,10 @@ among the needle's pools for each question token (0 = the top pool), and how man
 the topk / kpool pools they attend to; and the share of the question's attention (per query row: head and token)
 that lands on the needle's tokens, which is what the model reads the key from. Prints the first answer token too.
 
+Then the answer (`--answer-steps` greedy decode steps, each one query selecting alone; the key's first digit comes
+from the first of them): per step and layer, whether its selection keeps a needle token and its attention share on
+the needle.
+
     OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python benchmarks/needle_rank.py --length 32768 --depth 0.85 --threads 1
 """
 
@@ -26,7 +30,7 @@ from model import indexers  # noqa: E402
 from model.generate import Session  # noqa: E402
 from model.indexpool_cache import KV_STORAGE, AttentionEvidence, IndexPoolCache, IndexPoolConfig  # noqa: E402
 from model.runtime import load_engine, set_threads  # noqa: E402
-from indexpool_scale import long_read_progress  # noqa: E402  (this script's folder is on sys.path)
+from indexpool_scale import add_schedule_option, long_read_progress  # noqa: E402  (this script's folder is on sys.path)
 from passkey import build_prompt, haystack_text, needle_text  # noqa: E402
 
 
@@ -58,6 +62,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--kv-storage", default=IndexPoolConfig.kv_storage, choices=KV_STORAGE,
                         help="history K/V storage (auto: int8 past a quarter of RAM, as at 1M)")
+    parser.add_argument("--answer-steps", type=int, default=6, help="greedy decode steps probed after the question")
+    add_schedule_option(parser)
     args = parser.parse_args()
     set_threads(args.threads)
     loaded = load_engine(None)
@@ -65,7 +71,7 @@ def main() -> None:
     prompt, needle_start = build_prompt(tokenizer, tokenizer.encode(haystack_text("filler")), args.length, args.depth,
                                         args.key)
     needle_end = needle_start + len(tokenizer.encode(needle_text(args.key)))
-    settings = IndexPoolConfig(kv_storage=args.kv_storage)
+    settings = IndexPoolConfig(kv_storage=args.kv_storage, schedule=args.schedule)
     question: dict[int, torch.Tensor] = {}
     score = indexers.TrainingFreeIndexer.score
 
@@ -77,7 +83,7 @@ def main() -> None:
 
     indexers.TrainingFreeIndexer.score = recorded
     choice = AttentionChoice()
-    session = Session(loaded.model, len(prompt) + 1, attention=settings, indexer=default_indexer(choice, loaded),
+    session = Session(loaded.model, len(prompt) + 64, attention=settings, indexer=default_indexer(choice, loaded),
                       segment_indexer=segment_indexer(choice, loaded))
     IndexPoolCache._add_evidence = _add_evidence_per_layer(IndexPoolCache._add_evidence)
     evidence = NeedleEvidence(needle_start, needle_end, loaded.model.config.n_layers)
@@ -100,7 +106,40 @@ def main() -> None:
         kept = sum(rank < keep for rank in ranks)
         share = evidence.layers[layer].span_mass(needle_start, needle_end) / max(rows, 1)
         print(f"{layer:>5}  {min(ranks):>10} / {statistics.median(ranks):>8} / {max(ranks):>8}"
-              f"{kept:>28}/{len(ranks)}{share:>11.4f}")
+              f"{kept:>28}/{len(ranks)}{share:>11.4f}", flush=True)
+    with torch.inference_mode():
+        answer_probe(session, logits, needle_start, needle_end, args.answer_steps, tokenizer)
+
+
+def answer_probe(session: Session, logits: torch.Tensor, needle_start: int, needle_end: int, steps: int,
+                 tokenizer) -> None:
+    """Decode greedily from the prompt's last logits: per step and layer, whether the step's selection keeps a
+    needle token and the share of its attention (per query head) on the needle."""
+    cache, n_layers = session.cache, session.model.config.n_layers
+    keeps: dict[int, bool] = {}
+
+    def on_select(layer, positions, far):
+        keeps[layer] = bool(((far >= needle_start) & (far < needle_end)).any())
+
+    cache.on_select = on_select
+    fed, rows = [], []
+    for _ in range(steps):
+        token = int(logits.argmax())
+        fed.append(token)
+        evidence = NeedleEvidence(needle_start, needle_end, n_layers)
+        cache.evidence, keeps = evidence, {}
+        logits = session.model(torch.tensor([[token]]), len(session.tokens), cache)[:, -1]
+        session.tokens.append(token)
+        rows.append([(keeps.get(layer), evidence.layers[layer].span_mass(needle_start, needle_end)
+                      / session.model.config.n_heads) for layer in range(n_layers)])
+    cache.evidence, cache.on_select = None, None
+    answer = tokenizer.decode(fed + [int(logits.argmax())])
+    print(f"\nanswer {answer!r}; per decode step (the token it feeds), per layer: needle kept (+/-) and "
+          "attention share on it")
+    print("layer  " + "  ".join(f"{tokenizer.decode([t])!r:>10}" for t in fed))
+    for layer in range(n_layers):
+        print(f"{layer:>5}  " + "  ".join(f"{'+' if k else '-' if k is not None else ' '}{share:>9.4f}"
+                                          for k, share in (row[layer] for row in rows)), flush=True)
 
 
 if __name__ == "__main__":
