@@ -9,7 +9,8 @@ that lands on the needle's tokens, which is what the model reads the key from. P
 
 Then the answer (`--answer-steps` greedy decode steps, each one query selecting alone; the key's first digit comes
 from the first of them): per step and layer, whether its selection keeps a needle token and its attention share on
-the needle.
+the needle; and for the first step, per layer, its attention on the needle, the sinks, the other far tokens and
+the recent window.
 
     OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python benchmarks/needle_rank.py --length 32768 --depth 0.85 --threads 1
 """
@@ -44,6 +45,24 @@ class NeedleEvidence:
 
     def add(self, positions: torch.Tensor, mass: torch.Tensor) -> None:
         self.layers[self.layer].add(positions, mass)
+
+
+class RegionEvidence:
+    """The same hook for one decode step: per layer, its attention (summed over query heads) on the needle, the
+    sinks, the other far tokens and the recent window (with the step itself)."""
+
+    REGIONS = ("needle", "sinks", "other far", "window")
+
+    def __init__(self, cache: IndexPoolCache, needle_start: int, needle_end: int):
+        self.cache, self.needle = cache, (needle_start, needle_end)
+        self.mass = torch.zeros(cache.config.n_layers, len(self.REGIONS))
+        self.layer, self.local_band, self.queries = 0, 0, 0
+
+    def add(self, positions: torch.Tensor, mass: torch.Tensor) -> None:
+        p, (start, end) = positions.reshape(-1), self.needle
+        region = torch.where((p >= start) & (p < end), 0,
+                             torch.where(p < self.cache.n_sinks, 1, torch.where(p < self.cache.ws, 2, 3)))
+        self.mass[self.layer].index_add_(0, region, mass.reshape(-1).float())
 
 
 def _add_evidence_per_layer(add_evidence):
@@ -122,25 +141,27 @@ def answer_probe(session: Session, logits: torch.Tensor, needle_start: int, need
         keeps[layer] = bool(((far >= needle_start) & (far < needle_end)).any())
 
     cache.on_select = on_select
-    fed, rows = [], []
+    fed, steps_mass = [], []
     for _ in range(steps):
         token = int(logits.argmax())
         fed.append(token)
-        evidence = NeedleEvidence(needle_start, needle_end, n_layers)
+        evidence = RegionEvidence(cache, needle_start, needle_end)
         cache.evidence, keeps = evidence, {}
         logits = session.model(torch.tensor([[token]]), len(session.tokens), cache)[:, -1]
         session.tokens.append(token)
-        rows.append([(keeps.get(layer), evidence.layers[layer].span_mass(needle_start, needle_end)
-                      / session.model.config.n_heads) for layer in range(n_layers)])
+        steps_mass.append((dict(keeps), evidence.mass / session.model.config.n_heads))
     cache.evidence, cache.on_select = None, None
     answer = tokenizer.decode(fed + [int(logits.argmax())])
     print(f"\nanswer {answer!r}; per decode step (the token it feeds), per layer: needle kept (+/-) and "
           "attention share on it")
     print("layer  " + "  ".join(f"{tokenizer.decode([t])!r:>10}" for t in fed))
     for layer in range(n_layers):
-        print(f"{layer:>5}  " + "  ".join(f"{'+' if k else '-' if k is not None else ' '}{share:>9.4f}"
-                                          for k, share in (row[layer] for row in rows)), flush=True)
-
+        print(f"{layer:>5}  " + "  ".join(f"{'+' if k.get(layer) else '-' if layer in k else ' '}{mass[layer, 0]:>9.4f}"
+                                          for k, mass in steps_mass), flush=True)
+    print(f"\nthe first decode step ({tokenizer.decode(fed[:1])!r}, which gives the first digit): attention share per layer on")
+    print("layer  " + "  ".join(f"{name:>9}" for name in RegionEvidence.REGIONS))
+    for layer in range(n_layers):
+        print(f"{layer:>5}  " + "  ".join(f"{share:>9.4f}" for share in steps_mass[0][1][layer].tolist()), flush=True)
 
 if __name__ == "__main__":
     main()
