@@ -163,5 +163,6 @@ def answer_probe(session: Session, logits: torch.Tensor, needle_start: int, need
     for layer in range(n_layers):
         print(f"{layer:>5}  " + "  ".join(f"{share:>9.4f}" for share in steps_mass[0][1][layer].tolist()), flush=True)
 
+
 if __name__ == "__main__":
     main()
