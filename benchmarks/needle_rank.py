@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--kv-storage", default=IndexPoolConfig.kv_storage, choices=KV_STORAGE,
                         help="history K/V storage (auto: int8 past a quarter of RAM, as at 1M)")
     parser.add_argument("--answer-steps", type=int, default=6, help="greedy decode steps probed after the question")
+    parser.add_argument("--sink-distance", type=int, default=IndexPoolConfig.sink_distance,
+                        help="how far back the sinks sit once far tokens are selected (0: right before them)")
     add_schedule_option(parser)
     args = parser.parse_args()
     set_threads(args.threads)
@@ -90,7 +92,7 @@ def main() -> None:
     prompt, needle_start = build_prompt(tokenizer, tokenizer.encode(haystack_text("filler")), args.length, args.depth,
                                         args.key)
     needle_end = needle_start + len(tokenizer.encode(needle_text(args.key)))
-    settings = IndexPoolConfig(kv_storage=args.kv_storage, schedule=args.schedule)
+    settings = IndexPoolConfig(kv_storage=args.kv_storage, schedule=args.schedule, sink_distance=args.sink_distance)
     question: dict[int, torch.Tensor] = {}
     score = indexers.TrainingFreeIndexer.score
 

@@ -96,6 +96,7 @@ def run(args) -> None:
         for mode in args.modes:
             attention = None if mode == "dense" else IndexPoolConfig(topk=args.topk, window=args.window,
                                                                      sinks=args.sinks, segment=args.segment,
+                                                                     sink_distance=args.sink_distance,
                                                                      segment_block=args.segment_block,
                                                                      kv_storage=args.kv_storage,
                                                                      schedule=args.schedule)
@@ -142,6 +143,9 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=IndexPoolConfig.topk)
     parser.add_argument("--window", type=int, default=IndexPoolConfig.window)
     parser.add_argument("--sinks", type=int, default=IndexPoolConfig.sinks)
+    parser.add_argument("--sink-distance", type=int, default=IndexPoolConfig.sink_distance,
+                        help="how far back the sinks sit once far tokens are selected (0: right before them, as "
+                             "before session 15)")
     parser.add_argument("--segment", type=int, default=IndexPoolConfig.segment)
     add_schedule_option(parser)
     parser.add_argument("--segment-block", type=int, default=IndexPoolConfig.segment_block,

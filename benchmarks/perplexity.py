@@ -71,25 +71,32 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=IndexPoolConfig.topk)
     parser.add_argument("--window", type=int, default=IndexPoolConfig.window)
     parser.add_argument("--segment", type=int, default=IndexPoolConfig.segment)
+    parser.add_argument("--sink-distances", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[IndexPoolConfig.sink_distance],
+                        help="IndexPool sink distances to compare, a row each (e.g. 4096,0; 0: the sinks right "
+                             "before the far tokens)")
     add_schedule_option(parser)
     parser.add_argument("--segment-block", type=int, default=IndexPoolConfig.segment_block,
                         help="queries of a prefill segment sharing one far selection (default: the engine's)")
     args = parser.parse_args()
     set_threads(args.threads)
     loaded = load_engine(args.model)
-    settings = IndexPoolConfig(topk=args.topk, window=args.window, segment=args.segment,
-                               segment_block=args.segment_block, schedule=args.schedule)
+    settings = [IndexPoolConfig(topk=args.topk, window=args.window, segment=args.segment, sink_distance=distance,
+                                segment_block=args.segment_block, schedule=args.schedule)
+                for distance in args.sink_distances]
     choice = AttentionChoice(indexer=args.indexer, prune_index=args.prune_index)
     indexer, for_segments = default_indexer(choice, loaded), segment_indexer(choice, loaded)
-    first_scored = settings.sinks + settings.topk + settings.window + settings.kpool
+    first_scored = settings[0].sinks + settings[0].topk + settings[0].window + settings[0].kpool
     print(f"model {loaded.name}, indexer {type(indexer).__name__}; scored: tokens from {first_scored} on; threads {torch.get_num_threads()}")
-    print(f"{'length':>7} {'scored':>6} {'dense ppl':>9} {'indexpool ppl':>13} {'change':>7}")
+    print(f"{'length':>7} {'scored':>6} {'sink distance':>13} {'dense ppl':>9} {'indexpool ppl':>13} {'change':>7}")
     for length in args.lengths:
         ids = natural_text_ids(loaded.tokenizer, args.offset, length)
         dense, _, n = nll(Session(loaded.model, length), ids, first_scored, args.decode)
-        sparse, _, _ = nll(Session(loaded.model, length, attention=settings, indexer=indexer, segment_indexer=for_segments), ids, first_scored, args.decode)
-        print(f"{length:>7} {n:>6} {math.exp(dense):>9.3f} {math.exp(sparse):>13.3f} "
-              f"{100 * (math.exp(sparse - dense) - 1):>+6.1f}%", flush=True)
+        for config in settings:
+            session = Session(loaded.model, length, attention=config, indexer=indexer, segment_indexer=for_segments)
+            sparse, _, _ = nll(session, ids, first_scored, args.decode)
+            print(f"{length:>7} {n:>6} {config.sink_distance:>13} {math.exp(dense):>9.3f} {math.exp(sparse):>13.3f} "
+                  f"{100 * (math.exp(sparse - dense) - 1):>+6.1f}%", flush=True)
 
 
 if __name__ == "__main__":

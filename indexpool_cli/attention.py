@@ -27,6 +27,7 @@ class AttentionChoice:
     topk: Annotated[int, typer.Option("--topk", min=1, help="IndexPool: far tokens each query attends to (a multiple of kpool).")] = IndexPoolConfig.topk
     window: Annotated[int, typer.Option("--window", min=1, help="IndexPool: recent tokens always attended.")] = IndexPoolConfig.window
     sinks: Annotated[int, typer.Option("--sinks", min=0, help="IndexPool: first tokens always attended.")] = IndexPoolConfig.sinks
+    sink_distance: Annotated[int, typer.Option("--sink-distance", min=0, help="IndexPool: how far back the sinks sit once far tokens are selected (a gap before the far tokens, as far as the model's context allows; 0: right before them). The default keeps them past the distance where the default model makes new attention sinks (docs/benchmarks.md).")] = IndexPoolConfig.sink_distance
     indexer: Annotated[str, typer.Option("--indexer", help="IndexPool indexer: auto (training-free: it measured better, see docs/benchmarks.md), training-free, trained (the one shipped for the model), hybrid (the trained one chooses what the document's segments attend to, the training-free one what the question and the answer attend to), or an indexer file from `indexpool distill`.")] = "auto"
     prune_index: Annotated[Optional[bool], typer.Option("--prune-index/--no-prune-index", help="IndexPool, training-free indexer: store the pooled index keys projected onto the directions holding 95% of each layer's key variance (calibrated once per model, ~15 s; docs/benchmarks.md has what it does to recall and speed). Default: on for the training-free indexer.")] = None
     index_dtype: Annotated[str, typer.Option("--index-dtype", help="IndexPool pooled-index storage: bf16, fp16 or fp8.")] = IndexPoolConfig.index_dtype
@@ -36,6 +37,7 @@ class AttentionChoice:
 
     def settings(self) -> IndexPoolConfig:
         return IndexPoolConfig(kpool=self.kpool, topk=self.topk, window=self.window, sinks=self.sinks,
+                               sink_distance=self.sink_distance,
                                index_dtype=self.index_dtype, kv_storage=self.kv_storage,
                                schedule=[kind.strip() for kind in self.indexer_schedule.split(",")],
                                offload_dir=str(self.offload_dir) if self.offload_dir else None)

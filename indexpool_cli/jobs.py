@@ -191,7 +191,8 @@ def session_identity(loaded, session, choice) -> dict:
     if isinstance(cache, IndexPoolCache):
         settings = cache.settings
         identity.update(attention="indexpool", kpool=settings.kpool, topk=settings.topk, window=settings.window,
-                        sinks=settings.sinks, segment=settings.segment, index_dtype=settings.index_dtype,
+                        sinks=settings.sinks, sink_gap=cache.sink_gap, segment=settings.segment,
+                        index_dtype=settings.index_dtype,
                         kv_storage=cache.kv_storage, indexer=choice.indexer, indexer_kind=type(cache.indexer).__name__,
                         index_dims=cache.indexer.key_dim, indexer_sources=cache.sources)
         if cache.segment_indexer is not None:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .indexpool_cache import (AttentionEvidence, IndexPoolCache, attention_with_lse, far_attention, gathered_key_mass,
-                              merge_attention)
+                              merge_attention, place_far_tokens)
 from .llama import apply_rope, rope_at
 
 
@@ -106,7 +106,8 @@ class IndexPoolBranches:
         width = int(n_attended.max())
         self.far_slots = torch.arange(width)
         self.far_valid = self.far_slots < n_attended[:, None]  # (B, N)
-        placed = torch.where(self.takes_all[:, None], self.far_slots, self.far_slots + (self.ws - n_attended)[:, None])
+        placed = place_far_tokens(self.far_slots, self.ws[:, None], n_attended[:, None], self.n_sinks[:, None],
+                                  base.sink_gap)
         cos, sin = rope_at(base.inv_freq, placed.to(device))  # (B, N, 1, D)
         half = self.head_dim // 2
         sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], -1)

@@ -13,9 +13,16 @@ recent window in an exact bf16 buffer (its keys already rotated); the pooled ind
 
 Positions. While everything is selected and the input is inside the model's trained context, every token sits at
 its true position: a short input gets exactly dense attention. Otherwise the selected far tokens keep their order
-but close up into one contiguous block just before the window, with the sinks just before them, so no query-key
-distance exceeds sinks + topk + window + segment, which must stay inside the trained context. (InfLLM puts all far
+but close up into one contiguous block just before the window, with the sinks before them, at least `sink_distance`
+before a forward's first query (a gap between sinks and far tokens makes up the difference, as far as the trained
+context allows), so no query-key distance exceeds the trained context: sinks + topk + window + segment must fit in
+it, and the gap takes only what they leave. (InfLLM puts all far
 tokens at one distance; here a number spread over several far tokens keeps its digit order, which a copy needs.)
+Why the gap: the default model turns some tokens (a sentence's " The" in a haystack, a "." in prose) whose first
+token lies 3,500-4,000 back into attention sinks of their own, with keys far off their kind's; with the sinks right
+before the far tokens, every prefill segment put the tokens at one offset there, a few hundred such tokens at 512K,
+and a question's far selection, taking the keys that stand out, let them outbid the needle in the layers that copy
+it (docs/benchmarks.md, session 15).
 
 Kernels. The backend (`kernels.kernel_backend`: Triton on CUDA, torch elsewhere, INDEXPOOL_KERNELS to force one) is
 chosen once per cache. On Triton, the far part and the window go through `kernels.sparse_attention` (gather, RoPE
@@ -66,6 +73,7 @@ class IndexPoolConfig:
     topk: int = 2048  # far tokens per query (topk // kpool pools)
     window: int = 1024  # recent tokens always attended ("L1")
     sinks: int = 64  # first tokens always attended
+    sink_distance: int = 4096  # once far tokens are selected, the sinks sit at least this far back (module docstring)
     segment: int = 2048  # prefill tokens per forward; they share one far selection
     query_tokens: int = 64  # forwards of at most this many tokens select per block of query_block queries
     query_block: int = 1  # in such forwards, this many consecutive queries share one selection
@@ -77,6 +85,12 @@ class IndexPoolConfig:
     offload_dir: str | None = None  # keep history K/V in a memory-mapped file in this directory
     schedule: Sequence[str] | None = ("full", "shared")  # a pattern repeated over the layers; None: all full
 
+    def sink_gap(self, context_length: int) -> int:
+        """Positions left empty between the sinks and the far tokens while far tokens are selected: what puts the
+        sinks `sink_distance` before a forward's first query, as far as the trained context allows."""
+        slack = context_length - (self.sinks + self.topk + self.window + self.segment + self.kpool)
+        return max(0, min(self.sink_distance - self.window - self.topk, slack))
+
     def validate(self, context_length: int) -> None:
         def need(ok: bool, message: str) -> None:
             if not ok:
@@ -87,9 +101,10 @@ class IndexPoolConfig:
         need(self.sinks >= 0 and self.sinks % self.kpool == 0, f"sinks must be a multiple of kpool={self.kpool}")
         need(min(self.window, self.segment, self.query_tokens, self.query_block, self.segment_block) >= 1,
              "window, segment, query tokens, query block and segment block must be >= 1")
+        need(self.sink_distance >= 0, "sink distance must be >= 0")
         # Remapped sinks and far tokens sit just before the window: the longest distance a query sees is
         # sinks + topk + window + segment (+ the pool rounding of the window start), all inside what the model
-        # was trained on.
+        # was trained on; the sink gap only takes what that leaves.
         span = self.sinks + self.topk + self.window + self.segment + self.kpool
         need(span <= context_length,
              f"sinks + topk + window + segment ({self.sinks} + {self.topk} + {self.window} + {self.segment}) must "
@@ -103,6 +118,15 @@ class IndexPoolConfig:
             indexer_source_layers(self.schedule)  # raises on an unknown kind or a leading "shared"
         if self.offload_dir is not None:
             need(os.path.isdir(self.offload_dir), f"offload directory {self.offload_dir} does not exist")
+
+
+def place_far_tokens(slots: torch.Tensor, ws, n_attended, n_sinks, gap: int) -> torch.Tensor:
+    """RoPE positions of the attended tokens before the window (slot i: the sinks, then the far tokens, in order):
+    at their true positions 0..ws-1 when all of them are taken (n_attended == ws); else closed up just before the
+    window start ws, the sinks `gap` further back (the module docstring). ws, n_attended, n_sinks: ints, or tensors
+    broadcasting against slots (one per branch)."""
+    selecting = n_attended < ws
+    return slots + (ws - n_attended) - gap * ((slots < n_sinks) & selecting)
 
 
 def _allocate(shape: tuple[int, ...], dtype: torch.dtype, directory: str | None, device) -> torch.Tensor:
@@ -210,6 +234,7 @@ class IndexPoolCache:
         self.max_length, self.dtype = max_length, dtype
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.context_length = config.context_length
+        self.sink_gap = settings.sink_gap(config.context_length)
         n_layers = config.n_layers
         self.kv_storage = choose_kv_storage(settings.kv_storage, max_length, config, dtype)
         self.store = HistoryStore(n_layers, max_length, config.n_kv_heads, config.head_dim, self.kv_storage, dtype,
@@ -340,16 +365,12 @@ class IndexPoolCache:
         one_block = self.n_far <= s.topk or self.shared_selection
         self.per_query = not one_block and length <= s.query_tokens  # each query scored, scores summed per block
         self.query_block = length if one_block else min(s.query_block if self.per_query else s.segment_block, length)
-        # While everything is selected inside the trained context, attention is exactly dense.
-        self.true_positions = self.n_far <= s.topk and self.end <= self.context_length
         device = self.inv_freq.device
         self.positions = torch.arange(start, self.end, device=device)
         self.cos, self.sin = rope_at(self.inv_freq, self.positions)
         n_attended = self.n_sinks + min(self.n_far, s.topk)  # sinks, then far tokens, in ascending order
-        placed = torch.arange(n_attended, device=device)
-        if not self.true_positions:
-            # The sinks and far tokens keep their order but close up into one block just before the window.
-            placed += self.ws - n_attended
+        placed = place_far_tokens(torch.arange(n_attended, device=device), self.ws, n_attended, self.n_sinks,
+                                  self.sink_gap)
         if self.backend == "triton":
             from kernels import far_rope_tables
 

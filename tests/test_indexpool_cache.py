@@ -14,7 +14,7 @@ import torch
 from model.generate import Session
 from model.indexers import TrainingFreeIndexer
 from model.indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes, pool_keys
-from model.indexpool_cache import INDEX_DTYPES, IndexPoolCache, IndexPoolConfig
+from model.indexpool_cache import INDEX_DTYPES, IndexPoolCache, IndexPoolConfig, place_far_tokens
 from model.lightning_indexer import LightningIndexer, LightningIndexerConfig, ModelFingerprint
 from model.llama import LlamaConfig, Transformer, apply_rope, inverse_frequencies, rope_at
 
@@ -120,8 +120,13 @@ class ReferenceCache:
             if true_positions:
                 placed = attended
             else:
+                # Closed up before the window; the sinks a gap further back, so that they sit sink_distance before
+                # the forward's first query where the trained context leaves room for it.
                 base = ws - len(far)
-                placed = list(range(base - n_sinks, base + len(far))) + list(range(ws, p + 1))
+                room = self.c.context_length - (s.sinks + s.topk + s.window + s.segment + s.kpool)
+                gap = max(0, min(s.sink_distance - s.window - s.topk, room))
+                placed = list(range(base - gap - n_sinks, base - gap)) + list(range(base, base + len(far))) \
+                    + list(range(ws, p + 1))
             cos, sin = rope_at(self.inv_freq, torch.tensor(placed))
             keys = apply_rope(self.k[layer, attended], cos.double(), sin.double())
             cos_q, sin_q = rope_at(self.inv_freq, torch.tensor([p]))
@@ -400,6 +405,31 @@ def test_bytes_per_token_and_memory_parts():
     assert parts["pooled_index"] / per_token == 0.25
 
 
+@pytest.mark.parametrize("start", [20000, 20001, 20003])  # every rounding of the window start
+def test_sinks_sit_sink_distance_back_inside_the_trained_context(start):
+    """The default model's settings (8K context): once far tokens are selected, a forward's first query sees the
+    last sink more than sink_distance back, its last query sees the first sink inside the trained context, and
+    the far tokens stay closed up right before the window."""
+    s, context = IndexPoolConfig(), 8192
+    ws = (start - s.window) // s.kpool * s.kpool
+    n_attended = s.sinks + s.topk
+    placed = place_far_tokens(torch.arange(n_attended), ws, n_attended, s.sinks, s.sink_gap(context)).tolist()
+    assert start - placed[s.sinks - 1] > s.sink_distance
+    assert start + s.segment - 1 - placed[0] < context
+    assert placed[: s.sinks] == list(range(placed[0], placed[0] + s.sinks))
+    assert placed[s.sinks :] == list(range(ws - s.topk, ws))
+
+
+def test_sink_gap_takes_only_the_room_left():
+    assert place_far_tokens(torch.arange(100), 100, 100, 64, 1024).tolist() == list(range(100))  # all taken: true positions
+    assert IndexPoolConfig(sink_distance=0).sink_gap(8192) == 0
+    assert IndexPoolConfig(topk=4096).sink_gap(8192) == 0  # window + topk already reach past sink_distance
+    tight = IndexPoolConfig(segment=4096)  # 64 + 2048 + 1024 + 4096 + 4: 956 positions of room
+    assert tight.sink_gap(8192) == 956
+    assert IndexPoolConfig(**SETTINGS).sink_gap(CONFIG.context_length) == \
+        CONFIG.context_length - sum(SETTINGS[k] for k in ("sinks", "topk", "window", "segment", "kpool"))
+
+
 def test_settings_are_validated():
     with pytest.raises(ValueError, match="trained context"):
         IndexPoolConfig(topk=2048, window=4096, segment=4096).validate(8192)
@@ -407,6 +437,8 @@ def test_settings_are_validated():
         IndexPoolConfig(topk=2050).validate(8192)
     with pytest.raises(ValueError, match="offload directory"):
         IndexPoolConfig(offload_dir="/nonexistent/dir").validate(8192)
+    with pytest.raises(ValueError, match="sink distance"):
+        IndexPoolConfig(sink_distance=-1).validate(8192)
 
 
 def test_pooled_index_truncates_only_at_pool_boundaries():
