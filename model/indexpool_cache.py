@@ -11,18 +11,17 @@ Storage, per layer: the un-rotated K and V of every token in a `HistoryStore` (b
 token and KV head; in memory or in a memory-mapped file), where the sinks and far tokens are gathered from; the
 recent window in an exact bf16 buffer (its keys already rotated); the pooled index keys.
 
-Positions. While everything is selected and the input is inside the model's trained context, every token sits at
-its true position: a short input gets exactly dense attention. Otherwise the selected far tokens keep their order
-but close up into one contiguous block just before the window, with the sinks before them, at least `sink_distance`
-before a forward's first query (a gap between sinks and far tokens makes up the difference, as far as the trained
-context allows), so no query-key distance exceeds the trained context: sinks + topk + window + segment must fit in
-it, and the gap takes only what they leave. (InfLLM puts all far
-tokens at one distance; here a number spread over several far tokens keeps its digit order, which a copy needs.)
-Why the gap: the default model turns some tokens (a sentence's " The" in a haystack, a "." in prose) whose first
-token lies 3,500-4,000 back into attention sinks of their own, with keys far off their kind's; with the sinks right
-before the far tokens, every prefill segment put the tokens at one offset there, a few hundred such tokens at 512K,
-and a question's far selection, taking the keys that stand out, let them outbid the needle in the layers that copy
-it (docs/benchmarks.md, session 15).
+Positions. While everything before the window is taken, every token sits at its true position: a short input gets
+exactly dense attention. Otherwise the selected far tokens keep their order but close up into one contiguous block
+just before the window, with the sinks before them, at least `sink_distance` before a forward's first query (a gap
+between sinks and far tokens makes up the difference, as far as the trained context allows), so no query-key
+distance exceeds the trained context: sinks + topk + window + segment must fit in it, and the gap takes only what
+they leave. (InfLLM puts all far tokens at one distance; here a number spread over several far tokens keeps its
+digit order, which a copy needs.) Why the gap: the default model turns some tokens (the filler haystack's
+sentence-opening " The") that see the first token ~3,600 back into attention sinks of their own, with keys far off
+their kind's; with the sinks right before the far tokens, every prefill segment put its tokens at one offset there,
+a few hundred such tokens at 512K, and a question's far selection, taking the keys that stand out, let them outbid
+the needle in the layers that copy it (docs/benchmarks.md, session 15).
 
 Kernels. The backend (`kernels.kernel_backend`: Triton on CUDA, torch elsewhere, INDEXPOOL_KERNELS to force one) is
 chosen once per cache. On Triton, the far part and the window go through `kernels.sparse_attention` (gather, RoPE
