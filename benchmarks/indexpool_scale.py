@@ -62,6 +62,15 @@ def add_schedule_option(parser: argparse.ArgumentParser) -> None:
                              "full: every layer)")
 
 
+def add_sink_distance_option(parser: argparse.ArgumentParser) -> None:
+    """--sink-distance, as the benchmarks take it (`IndexPoolConfig.sink_distance`)."""
+    from model.indexpool_cache import IndexPoolConfig
+
+    parser.add_argument("--sink-distance", type=int, default=IndexPoolConfig.sink_distance,
+                        help="how far back the sinks sit once far tokens are selected (0: right before them, as "
+                             "before session 15)")
+
+
 def worker(length: int, mode: str, decode: int, threads: int | None, options: dict) -> dict:
     import torch
 

@@ -31,7 +31,7 @@ from model import indexers  # noqa: E402
 from model.generate import Session  # noqa: E402
 from model.indexpool_cache import KV_STORAGE, AttentionEvidence, IndexPoolCache, IndexPoolConfig  # noqa: E402
 from model.runtime import load_engine, set_threads  # noqa: E402
-from indexpool_scale import add_schedule_option, long_read_progress  # noqa: E402  (this script's folder is on sys.path)
+from indexpool_scale import add_schedule_option, add_sink_distance_option, long_read_progress  # noqa: E402  (this script's folder is on sys.path)
 from passkey import build_prompt, haystack_text, needle_text  # noqa: E402
 
 
@@ -82,8 +82,7 @@ def main() -> None:
     parser.add_argument("--kv-storage", default=IndexPoolConfig.kv_storage, choices=KV_STORAGE,
                         help="history K/V storage (auto: int8 past a quarter of RAM, as at 1M)")
     parser.add_argument("--answer-steps", type=int, default=6, help="greedy decode steps probed after the question")
-    parser.add_argument("--sink-distance", type=int, default=IndexPoolConfig.sink_distance,
-                        help="how far back the sinks sit once far tokens are selected (0: right before them)")
+    add_sink_distance_option(parser)
     add_schedule_option(parser)
     args = parser.parse_args()
     set_threads(args.threads)

@@ -35,7 +35,7 @@ from model.generate import GenerationStats, SamplingParams, Sampler, Session  # 
 from model.indexpool_cache import IndexPoolConfig  # noqa: E402
 from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer  # noqa: E402
 from model.runtime import load_engine, set_threads  # noqa: E402
-from indexpool_scale import add_schedule_option, long_read_progress  # noqa: E402  (this script's folder is on sys.path)
+from indexpool_scale import add_schedule_option, add_sink_distance_option, long_read_progress  # noqa: E402  (this script's folder is on sys.path)
 
 DEPTHS = [0.05 + 0.1 * i for i in range(10)]
 QUESTION = "\n\nWhat is the pass key? Answer with the number only."
@@ -143,9 +143,7 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=IndexPoolConfig.topk)
     parser.add_argument("--window", type=int, default=IndexPoolConfig.window)
     parser.add_argument("--sinks", type=int, default=IndexPoolConfig.sinks)
-    parser.add_argument("--sink-distance", type=int, default=IndexPoolConfig.sink_distance,
-                        help="how far back the sinks sit once far tokens are selected (0: right before them, as "
-                             "before session 15)")
+    add_sink_distance_option(parser)
     parser.add_argument("--segment", type=int, default=IndexPoolConfig.segment)
     add_schedule_option(parser)
     parser.add_argument("--segment-block", type=int, default=IndexPoolConfig.segment_block,
