@@ -1,13 +1,16 @@
 """GPU check of the IndexPool Triton kernels (`kernels/`): correctness, then speed against the torch references.
 
 On one GPU (written for an H200, 4.8 TB/s; under 8 minutes):
-  1. runs `pytest tests/test_kernels.py` natively (compiled kernels, no interpreter);
+  1. runs `pytest tests/test_kernels.py tests/test_mla_kernels.py tests/test_kda_kernels.py` natively (compiled
+     kernels, no interpreter);
   2. for contexts of 128K, 512K and 1M tokens, one layer of the default model (SmolLM2-135M: 9 query heads, 3 KV
      heads of 64; IndexPool kpool 4, topk 2048, sinks 64, window 1024, segment 2048; index keys 32 wide with 4
      heads for the trained indexer, 192 wide (the training-free key width, scored here with the k-pool ReLU
-     formula and 9 heads) otherwise), times each kernel and its torch reference with CUDA events (median of 20
-     after warm-up, the L2 cache flushed before each run) and prints the time, the bytes the op must move, the
-     achieved bandwidth and its fraction of the GPU's peak, and the reference's time and the ratio.
+     formula and 9 heads) otherwise), one MLA layer of GLM-5.3-Flash (64 heads over 512-wide latents, 2051
+     positions selected per query) and one of its KDA layers (64 heads x 128, fp32 state: a decode step and a
+     2048-token prefill, on flash-linear-attention's kernels), times each kernel and its torch reference with CUDA
+     events (median of 20 after warm-up, the L2 cache flushed before each run) and prints the time, the bytes the
+     op must move, the achieved bandwidth and its fraction of the GPU's peak, and the reference's time and the ratio.
 
     .venv/bin/python benchmarks/gpu_kernels.py               # tests, then 128K, 512K, 1M
     .venv/bin/python benchmarks/gpu_kernels.py --quick       # tests, then 128K only, 10 runs each
@@ -29,11 +32,12 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent
 PEAK_BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s
 FLUSH_BYTES = 256 << 20  # larger than the H200's 50 MB L2
+KERNEL_TESTS = ["tests/test_kernels.py", "tests/test_mla_kernels.py", "tests/test_kda_kernels.py"]
 
 
 @dataclass
 class Shapes:
-    """One attention layer of the default model with the default IndexPool settings."""
+    """One attention layer of the default model with the default IndexPool settings; GLM-5.3-Flash's MLA and KDA."""
     heads: int = 9
     kv_heads: int = 3
     head_dim: int = 64
@@ -46,9 +50,15 @@ class Shapes:
     trained_width: int = 32
     trained_heads: int = 4
     free_width: int = 192  # kv_heads * head_dim
+    mla_heads: int = 64
+    mla_rank: int = 512  # kv_lora_rank: the latent width
+    kda_heads: int = 64
+    kda_dim: int = 128  # dk = dv
+    kda_prefill: int = 2048  # tokens in one prefill forward (a segment)
 
 
-TINY = Shapes(topk=64, sinks=8, window=32, segment=16, query_tokens=4, trained_width=32, free_width=192)
+TINY = Shapes(topk=64, sinks=8, window=32, segment=16, query_tokens=4, trained_width=32, free_width=192,
+              mla_heads=8, mla_rank=32, kda_heads=2, kda_dim=16, kda_prefill=70)
 
 
 @dataclass
@@ -164,6 +174,58 @@ def attention_cases(context: int, s: Shapes, device: str) -> list[Case]:
     return cases
 
 
+def mla_cases(context: int, s: Shapes, device: str) -> list[Case]:
+    """glm5_next's sparse MLA attention in the latent space at the end of the context: a decode step and a prefill
+    block of query_tokens queries, each with its own selection of topk + kpool - 1 positions (the indexer's) out of
+    `context` bf16 latents."""
+    import torch
+
+    from kernels import mla_sparse_attention, mla_sparse_attention_reference
+
+    n_selected = s.topk + s.kpool - 1
+    latents = torch.randn(1, context, s.mla_rank, device=device).bfloat16()
+    cases = []
+    for label, n_queries in (("decode", 1), ("prefill", s.query_tokens)):
+        q_latent = torch.randn(1, n_queries, s.mla_heads, s.mla_rank, device=device).bfloat16()
+        selected = torch.stack([torch.randperm(context, device=device)[:n_selected].sort().values
+                                for _ in range(n_queries)])[None]
+        args = (q_latent, latents, selected, 256**-0.5)  # qk_nope_head_dim**-0.5
+        # Per query: its gathered latents and selection, its q_latent read and its output written.
+        moved = n_queries * (n_selected * (s.mla_rank * 2 + 8) + 2 * s.mla_heads * s.mla_rank * 2)
+        flops = 4 * n_queries * s.mla_heads * n_selected * s.mla_rank
+        cases.append(Case(f"mla_sparse_attention {label} T={n_queries} H={s.mla_heads} R={s.mla_rank}",
+                          lambda a=args: mla_sparse_attention(*a), lambda a=args: mla_sparse_attention_reference(*a),
+                          moved, flops))
+    return cases
+
+
+def kda_cases(context: int, s: Shapes, device: str) -> list[Case]:
+    """glm5_next's KDA linear attention: a decode step and a prefill forward of kda_prefill tokens, from an fp32
+    state of kda_heads x kda_dim x kda_dim. O(1) in the context: the same work at every context."""
+    import torch
+
+    from kernels.kda import KDA_CHUNK, kda_chunked, kda_chunked_reference, kda_recurrent, kda_recurrent_reference
+
+    H, d = s.kda_heads, s.kda_dim
+    state = torch.randn(1, H, d, d, device=device) / d
+    cases = []
+    for label, n_tokens, op, reference in (("kda_recurrent decode", 1, kda_recurrent, kda_recurrent_reference),
+                                          ("kda_chunked prefill", s.kda_prefill, kda_chunked, kda_chunked_reference)):
+        q, k, v = (torch.randn(1, n_tokens, H, d, device=device).bfloat16() for _ in range(3))
+        g = -5 * torch.sigmoid(torch.randn(1, n_tokens, H, d, device=device))  # the model's gate range
+        beta = torch.rand(1, n_tokens, H, device=device).bfloat16()
+        args = (q, k, v, g, beta, state)
+        # q, k, v, beta read in bf16 and g in fp32, the output written in fp32, the state read and written.
+        moved = n_tokens * H * (3 * d * 2 + d * 4 + 2 + d * 4) + 2 * state.numel() * 4
+        # Per token and head, the recurrence: decay, k^T S, the rank-1 update and S^T q, 7 d^2. The chunked form
+        # instead does 6 d^2 (the state against its queries and keys, and its update) plus chunk x 5 d within a
+        # chunk (k k^T and q k^T, solving for the updates of v and k, and their mix into the output).
+        per_token = 7 * d * d if n_tokens == 1 else 6 * d * d + KDA_CHUNK * 5 * d
+        cases.append(Case(f"{label} T={n_tokens} H={H} d={d}", lambda f=op, a=args: f(*a)[:2],
+                          lambda f=reference, a=args: f(*a)[:2], moved, n_tokens * H * per_token))
+    return cases
+
+
 def seconds(fn: Callable[[], object], runs: int) -> float:
     """Median GPU time of fn (CUDA events) after warm-up, the L2 cache flushed before each run."""
     import torch
@@ -202,7 +264,9 @@ def run(contexts: list[int], shapes: Shapes, device: str, runs: int, dry_run: bo
         if not dry_run:
             print(f"{'op':58} {'kernel us':>10} {'MB moved':>9} {'GB/s':>8} {'of peak':>8} {'TFLOP/s':>8} "
                   f"{'torch us':>10} {'speed-up':>8}")
-        for build in (pool_cases, index_cases, attention_cases):
+        for build in (pool_cases, index_cases, attention_cases, mla_cases, kda_cases):
+            if build is kda_cases and context != contexts[0]:
+                continue  # KDA's work does not depend on the context: timed once
             cases = build(context, shapes, device)
             for case in cases:
                 check_same(case, case.kernel(), case.reference())
@@ -225,7 +289,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="128K tokens only, 10 runs per timing")
     parser.add_argument("--dry-run", action="store_true", help="no GPU: tiny shapes in Triton's CPU interpreter")
-    parser.add_argument("--skip-tests", action="store_true", help="do not run tests/test_kernels.py first")
+    parser.add_argument("--skip-tests", action="store_true", help="do not run the kernel tests first")
     args = parser.parse_args()
 
     if args.dry_run:  # before Triton is imported: it decides at kernel definition whether to interpret
@@ -243,10 +307,10 @@ def main() -> None:
         raise SystemExit("no CUDA device: run this on a GPU, or use --dry-run to check it on the CPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     if not args.skip_tests:
-        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                "tests/test_kernels.py"], cwd=REPO)
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
+                               cwd=REPO)
         if tests.returncode:
-            raise SystemExit(f"tests/test_kernels.py failed (exit {tests.returncode}); timings skipped")
+            raise SystemExit(f"{' '.join(KERNEL_TESTS)} failed (exit {tests.returncode}); timings skipped")
     torch.manual_seed(0)
     contexts = [128 * 1024] if args.quick else [128 * 1024, 512 * 1024, 1024 * 1024]
     run(contexts, Shapes(), "cuda", 10 if args.quick else 20, dry_run=False)

@@ -129,10 +129,11 @@ def choose_pools(scores: torch.Tensor, positions: torch.Tensor, pattern: SparseP
 
 
 def in_context_probs(cache, layer: int, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     pattern: SparsePattern) -> torch.Tensor:
+                     pattern: SparsePattern, sink_gap: int) -> torch.Tensor:
     """(heads, Q, length) fp32: the attention the model gives when no key is farther than it was trained for, as in
     the IndexPool cache: the window at its true distances, every far token at one distance (window + topk / 2, the
-    middle of the block the cache moves selected far tokens to) and sink i just beyond, at window + topk + sinks - i.
+    middle of the block the cache moves selected far tokens to) and sink i `sink_gap` beyond the far block, at
+    window + topk + sink_gap + sinks - i (the cache's `sink_gap`, see IndexPoolConfig.sink_distance).
     The queries are the ones `cache` recorded; keys: (length, KV, D) un-rotated fp32."""
     positions = cache.query_positions
     Q, H, KV, D = len(positions), cache.n_heads, cache.n_kv_heads, cache.head_dim
@@ -145,7 +146,7 @@ def in_context_probs(cache, layer: int, keys: torch.Tensor, cos: torch.Tensor, s
     far_distance = pattern.window + pattern.topk // 2
     far_q = apply_rope(q, cos[far_distance], sin[far_distance])
     logits = torch.einsum("qgnd,tgd->gnqt", far_q, keys)
-    sink_distances = pattern.window + pattern.topk + pattern.sinks - token[: pattern.sinks]
+    sink_distances = pattern.window + pattern.topk + sink_gap + pattern.sinks - token[: pattern.sinks]
     sink_q = apply_rope(q[None], cos[sink_distances, None, None, None], sin[sink_distances, None, None, None])
     logits[..., : pattern.sinks] = torch.einsum("sqgnd,sgd->gnqs", sink_q, keys[: pattern.sinks])
     true_q = apply_rope(q, cos[positions, None, None], sin[positions, None, None])
@@ -175,12 +176,14 @@ def measure(model, tokens: list[int], n_positions: int, indexers: dict, pattern:
     if reader is None:
         cache, segment = IndexingCapture(model, length, positions, indexers), 512
         teachers = ["dense", "in-context"]
+        sink_gap = IndexPoolConfig().sink_gap(model.config.context_length)  # where the engine would put the sinks
     else:
         cache = IndexPoolCapture(model, length, positions, indexers, reader, schedule)
-        segment, teachers = cache.settings.segment, ["in-context, IndexPool read"]
+        segment, teachers, sink_gap = cache.settings.segment, ["in-context, IndexPool read"], cache.sink_gap
     for start in range(0, length, segment):
         model(ids[:, start : start + segment], start, cache)
-    cos, sin = rope_tables(model.config, max(length, pattern.window + pattern.topk + pattern.sinks + 1), torch.float32)
+    farthest = pattern.window + pattern.topk + sink_gap + pattern.sinks
+    cos, sin = rope_tables(model.config, max(length, farthest + 1), torch.float32)
     base = attended_tokens(positions, None, length, pattern)
     kept = {teacher: {name: [] for name in ["sinks + window", *indexers, "oracle"]} for teacher in teachers}
     sources = indexer_source_layers(layer_schedule(schedule, model.config.n_layers))
@@ -198,10 +201,10 @@ def measure(model, tokens: list[int], n_positions: int, indexers: dict, pattern:
         if reader is None:
             keys = dense_key_rotated_back(cache, layer, cos, sin)
             probs_by_teacher = (("dense", cache.attention_probs(layer, cos, sin)),
-                                ("in-context", in_context_probs(cache, layer, keys, cos, sin, pattern)))
+                                ("in-context", in_context_probs(cache, layer, keys, cos, sin, pattern, sink_gap)))
         else:
             probs_by_teacher = ((teachers[0], in_context_probs(cache, layer, cache.unrotated_keys(layer), cos, sin,
-                                                               pattern)),)
+                                                               pattern, sink_gap)),)
         for teacher, probs in probs_by_teacher:
             oracle = choose_pools(pool_targets(probs, positions, pattern), positions, pattern)
             for name, tokens_kept in {**attended, "oracle": attended_tokens(positions, oracle, length, pattern)}.items():

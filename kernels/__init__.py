@@ -4,11 +4,16 @@ Public ops (tensor in, tensor out; each picks its path with `kernel_backend`):
   - `pool_compress`: pooled index keys from raw keys and gate logits, stored as bf16/fp16 or fp8 + scale;
   - `index_scores` / `index_topk`: k-pool indexer scores, and the selected token positions per query;
   - `sparse_attention`: GQA attention over far tokens gathered from an un-rotated history (rotated in the kernel,
-    from `far_rope_tables`) plus the recent window, in one online softmax.
+    from `far_rope_tables`) plus the recent window, in one online softmax;
+  - `mla_sparse_attention`: glm5_next's MLA in the latent space (W_uk absorbed into the query), over each query's
+    own selection of latents.
 Each has a `*_reference` twin in plain torch, which is also the CPU path.
 
 `kernels.cpu_attention` (imported on its own, no Triton) is the CPU side: decode and prefill attention in C,
 compiled on first use, next to their torch reference; INDEXPOOL_KERNELS=torch turns them off too.
+
+`kernels.kda` (imported on its own, no Triton until its Triton path runs) is glm5_next's KDA linear attention,
+`kda_recurrent` (decode) and `kda_chunked` (prefill): flash-linear-attention's kernels on the Triton backend.
 
 Backend: Triton on CUDA devices, torch elsewhere. `INDEXPOOL_KERNELS=auto|torch|triton` forces one; Triton on
 the CPU runs only in Triton's interpreter (`TRITON_INTERPRET=1`, set before Triton is imported), which the tests use.
@@ -76,6 +81,7 @@ _OP_MODULES = {
     "index_topk": "index_topk", "index_topk_reference": "index_topk",
     "far_rope_tables": "sparse_attention", "sparse_attention": "sparse_attention",
     "sparse_attention_reference": "sparse_attention",
+    "mla_sparse_attention": "mla_attention", "mla_sparse_attention_reference": "mla_attention",
 }
 
 

@@ -8,8 +8,9 @@ sigmoid-routed MoE with one shared expert. The residual is four streams mixed by
 hyper-connections (mHC). One MTP layer predicts the token after next, for self-speculative decoding.
 
 Decoding state lives in `Glm5NextCache`: KDA recurrent and conv states, the MLA latent of every token (attention
-runs in the latent space when few queries come, with the key/value up-projection absorbed into the query and the
-output), and the pooled indexer keys. Facts are from SPEC.md section 2 and transformers' `glm5_next` reference.
+runs in the latent space when few queries come, and always on the Triton backend, with the key/value up-projection
+absorbed into the query and the output), and the pooled indexer keys. Facts are from SPEC.md section 2 and
+transformers' `glm5_next` reference.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels import kernel_backend
+from kernels.kda import kda_chunked, kda_recurrent
 
 from .indexpool import FP8_DTYPE, PooledIndexCache, indexer_source_layers, score_pools, select_tokens
 
@@ -34,7 +38,6 @@ MODEL_TYPES = ("glm5_next", "glm5_next_text")
 # history per head. Longer forwards (prefill) use the chunked KDA form and expand the latents once, shared by
 # all queries.
 DECODE_MAX_TOKENS = 4
-KDA_CHUNK = 64
 
 
 # ------------------------------------------------------------------------------------------------- config
@@ -216,11 +219,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum x^2 + eps): eps inside the root, as the KDA kernels compute it."""
-    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
-
-
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """SiLU(gate) * up with the gate clamped from above and up on both sides at `limit`."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
@@ -233,73 +231,6 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tu
     window = torch.cat([state.to(x.dtype), x], dim=1)
     out = F.conv1d(window.transpose(1, 2).to(weight.dtype), weight[:, None, :], groups=weight.shape[0])
     return F.silu(out).transpose(1, 2).to(x.dtype), window
-
-
-def _kda_inputs(q, k, v, g, beta):
-    """fp32 copies, q and k L2-normalised per head, q scaled by 1/sqrt(head_dim)."""
-    q, k = l2_normalize(q.float()), l2_normalize(k.float())
-    return q * q.shape[-1] ** -0.5, k, v.float(), g.float(), beta.float()
-
-
-def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor, keep_steps: bool = False):
-    """KDA one token at a time: the reference semantics and the decode form.
-
-    q, k (B, T, H, dk); v (B, T, H, dv); g (B, T, H, dk) log-decay per key channel (<= 0); beta (B, T, H);
-    state (B, H, dk, dv) fp32. Per token: S <- diag(exp g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q.
-    Returns o (B, T, H, dv) fp32, the final state, and (when keep_steps) the state after each token.
-    """
-    q, k, v, g, beta = _kda_inputs(q, k, v, g, beta)
-    outputs, steps = [], []
-    for t in range(q.shape[1]):
-        state = state * g[:, t].exp()[..., None]
-        remembered = torch.einsum("bhk,bhkv->bhv", k[:, t], state)
-        delta = beta[:, t, :, None] * (v[:, t] - remembered)
-        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
-        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
-        if keep_steps:
-            steps.append(state)
-    return torch.stack(outputs, dim=1), state, steps
-
-
-def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                state: torch.Tensor, chunk: int = KDA_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same recurrence as `kda_recurrent`, a chunk of tokens at a time (the prefill form).
-
-    Within a chunk, with G the running sum of g from the chunk start, the state before it S0 and the per-token
-    updates d_t = beta_t (v_t - (S_{t-1} decayed)^T k_t), the recurrence unrolls to a unit lower-triangular system
-    (I + A) D = beta (V - (K exp G) S0), A[t, s] = beta_t sum_c k_tc k_sc exp(G_tc - G_sc) for s < t. Then
-    O = (Q exp G) S0 + M D with M[t, s] = sum_c q_tc k_sc exp(G_tc - G_sc) for s <= t, and the next state is
-    exp(G_last) S0 + (K exp(G_last - G))^T D. Only differences G_t - G_s (t >= s) are exponentiated: no overflow.
-    Padding the last chunk with k = v = beta = g = 0 leaves the state unchanged.
-    """
-    q, k, v, g, beta = _kda_inputs(q, k, v, g, beta)
-    B, T, H, dk = k.shape
-    pad = -T % chunk
-
-    def split(x):  # (B, T, H, ...) -> (B, H, n_chunks, chunk, ...)
-        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
-        x = x.reshape(B, -1, chunk, H, *x.shape[3:]).transpose(1, 3)
-        return x.transpose(2, 3)
-
-    q, k, v, g, beta = (split(x) for x in (q, k, v, g, beta))
-    G = g.cumsum(dim=-2)
-    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # s > t
-    decay = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(later[..., None], float("-inf")).exp()
-    A = (beta[..., None] * torch.einsum("...tc,...sc,...tsc->...ts", k, k, decay)).tril(-1)
-    M = torch.einsum("...tc,...sc,...tsc->...ts", q, k, decay)
-    system = A + torch.eye(chunk, device=q.device)
-    U = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(system, beta[..., None] * k * G.exp(), upper=False, unitriangular=True)
-    outputs = []
-    for c in range(q.shape[2]):
-        deltas = U[:, :, c] - W[:, :, c] @ state
-        outputs.append((q[:, :, c] * G[:, :, c].exp()) @ state + M[:, :, c] @ deltas)
-        last = G[:, :, c, -1]
-        decayed_keys = k[:, :, c] * (last[:, :, None] - G[:, :, c]).exp()
-        state = last.exp()[..., None] * state + decayed_keys.transpose(-1, -2) @ deltas
-    out = torch.stack(outputs, dim=2).flatten(2, 3)[:, :, :T]  # (B, H, T, dv)
-    return out.transpose(1, 2), state
 
 
 def hyper_connection(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -643,6 +574,11 @@ class Indexer(nn.Module):
             return select_tokens(None, cache.positions.expand(x.shape[0], -1), cache.end, self.kpool, self.topk)
         q = self.wq_b(q_resid).unflatten(-1, (self.heads, self.head_dim))
         weights = self.weights_proj(x).float() * self.heads ** -0.5
+        if kernel_backend(x.device) == "triton":  # scoring, top-k, expansion and the tail in two kernels
+            from kernels import index_topk
+
+            pooled, scale = cache.index.stored(slot)
+            return index_topk(q, weights, pooled, cache.positions, self.kpool, self.topk, scale)
         scores = score_pools(q, weights, cache.index.pooled(slot), cache.positions, self.kpool)
         return select_tokens(scores, cache.positions, cache.end, self.kpool, self.topk)
 
@@ -677,7 +613,9 @@ class MultiLatentAttention(nn.Module):
         if self.indexer is not None:
             cache.selected[self.layer] = self.indexer.select(x, q_resid, cache, self.index_slot)
         selected = cache.selected[self.source_layer]
-        attend = self.attend_latent if cache.decode_form else self.attend_expanded
+        # The kernel reads each query's own selection: prefill runs in the latent form too, with no O(T x L) mask.
+        latent_form = cache.decode_form or kernel_backend(x.device) == "triton"
+        attend = self.attend_latent if latent_form else self.attend_expanded
         return self.o_proj(attend(q, latents, selected).reshape(B, T, -1))
 
     def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -687,15 +625,21 @@ class MultiLatentAttention(nn.Module):
 
     def attend_latent(self, q: torch.Tensor, latents: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
         """The decode form: q . (W_uk c) = (W_uk^T q) . c, so scores and the weighted sum run on the selected
-        latents c (width R) and W_uv is applied once to the result. q (B, T, H, nope) -> (B, T, H, v_dim)."""
-        B, T, W = selected.shape
+        latents c (width R) and W_uv is applied once to the result. q (B, T, H, nope) -> (B, T, H, v_dim).
+        On the Triton backend the middle part is `kernels.mla_sparse_attention`."""
         w_uk, w_uv = self._up_projections()
         q_latent = torch.einsum("bthd,hdr->bthr", q, w_uk)
-        gathered = latents.gather(1, selected.clamp(min=0).view(B, T * W, 1).expand(-1, -1, self.rank))
-        gathered = gathered.view(B, T, W, self.rank)
-        scores = torch.einsum("bthr,btwr->bthw", q_latent, gathered).float() * self.scale
-        scores = scores.masked_fill((selected < 0)[:, :, None, :], float("-inf"))
-        mixed = torch.einsum("bthw,btwr->bthr", scores.softmax(dim=-1).to(q.dtype), gathered)
+        if kernel_backend(q.device) == "triton":
+            from kernels import mla_sparse_attention
+
+            mixed = mla_sparse_attention(q_latent, latents, selected, self.scale)
+        else:
+            B, T, W = selected.shape
+            gathered = latents.gather(1, selected.clamp(min=0).view(B, T * W, 1).expand(-1, -1, self.rank))
+            gathered = gathered.view(B, T, W, self.rank)
+            scores = torch.einsum("bthr,btwr->bthw", q_latent, gathered).float() * self.scale
+            scores = scores.masked_fill((selected < 0)[:, :, None, :], float("-inf"))
+            mixed = torch.einsum("bthw,btwr->bthr", scores.softmax(dim=-1).to(q.dtype), gathered)
         return torch.einsum("bthr,hvr->bthv", mixed, w_uv)
 
     def attend_expanded(self, q: torch.Tensor, latents: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:

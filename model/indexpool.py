@@ -158,6 +158,12 @@ class PooledIndexCache:
             return self._pooled[layer, :, :n_pools]
         return fp8_dequantize(self._pooled[layer, :, :n_pools], self._scales[layer, :, :n_pools])
 
+    def stored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pooled keys so far as stored, (batch, n_pools, d), and for fp8 their scales (batch, n_pools), else None:
+        what the Triton scoring kernel reads (fp8 dequantized in the kernel)."""
+        n_pools = self.n_pools(layer)
+        return self._pooled[layer, :, :n_pools], None if self._scales is None else self._scales[layer, :, :n_pools]
+
     def tail(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw keys and gate logits of the unfinished pool, each (batch, n_tokens % kpool, d) in fp32."""
         n_tail = self._n_tokens[layer] % self.kpool

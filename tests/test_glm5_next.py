@@ -11,6 +11,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from kernels.kda import kda_chunked_reference, kda_recurrent_reference
 from model.errors import ModelLoadError
 from model.generate import Sampler, SamplingParams, Session
 from model.glm5_next import (
@@ -19,8 +20,6 @@ from model.glm5_next import (
     SpeculativeStats,
     cache_size,
     greedy_generate,
-    kda_chunked,
-    kda_recurrent,
     speculative_generate,
     speculative_tokens,
 )
@@ -33,6 +32,7 @@ from tests.tiny_glm5_next import (
     build_checkpoint,
     fp8_block_round_trip,
     quantize_fp8,
+    reference_modeling,
 )
 
 ATOL = 2e-5  # on logits of magnitude ~5; observed differences are up to ~1e-5
@@ -183,23 +183,19 @@ def test_indexer_selection_is_transformers_and_sparse(parity, ids):
 
 @pytest.mark.parametrize("chunk", [8, 16, 64])
 def test_kda_chunked_and_recurrent_agree_with_the_reference(chunk):
-    from transformers.models.glm5_next.modeling_glm5_next import (
-        chunk_kimi_delta_attention,
-        recurrent_kimi_delta_attention,
-    )
-
+    tm = reference_modeling()
     g = torch.Generator().manual_seed(chunk)
     B, T, H, d = 2, 37, 3, 8
     q, k, v = (torch.randn(B, T, H, d, generator=g) for _ in range(3))
     gate = -5 * torch.sigmoid(torch.randn(B, T, H, d, generator=g) * 2)
     beta = torch.sigmoid(torch.randn(B, T, H, generator=g))
     state = torch.randn(B, H, d, d, generator=g)
-    ref_out, ref_state = chunk_kimi_delta_attention(q, k, v, gate, beta, chunk_size=chunk, initial_state=state,
-                                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
-    rec_ref_out, _ = recurrent_kimi_delta_attention(q, k, v, gate, beta, initial_state=state, output_final_state=True,
-                                                    use_qk_l2norm_in_kernel=True)
-    out, final = kda_chunked(q, k, v, gate, beta, state, chunk)
-    rec_out, rec_final, steps = kda_recurrent(q, k, v, gate, beta, state, keep_steps=True)
+    ref_out, ref_state = tm.chunk_kimi_delta_attention(q, k, v, gate, beta, chunk_size=chunk, initial_state=state,
+                                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+    rec_ref_out, _ = tm.recurrent_kimi_delta_attention(q, k, v, gate, beta, initial_state=state,
+                                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+    out, final = kda_chunked_reference(q, k, v, gate, beta, state, chunk)
+    rec_out, rec_final, steps = kda_recurrent_reference(q, k, v, gate, beta, state, keep_steps=True)
     for a, b in ((out, ref_out), (rec_out, ref_out), (rec_out, rec_ref_out), (final, ref_state), (rec_final, final)):
         assert max_diff(a, b) <= 1e-5
     assert len(steps) == T and torch.equal(steps[-1], rec_final)
@@ -455,7 +451,6 @@ def test_fp8_block_checkpoint_loads_dequantized(tiny, ids, tmp_path, block):
     """FP8 e4m3 weights with per-block weight_scale_inv (released: 128 x 128; 16 x 16 gives several, partial,
     blocks per tiny weight): our logits equal transformers' on the weights the FP8 values stand for."""
     from safetensors import safe_open
-    from transformers import Glm5NextForConditionalGeneration
 
     fp8_dir, restored_dir = tmp_path / "fp8", tmp_path / "restored"
     quantize_fp8(tiny.path, fp8_dir, restored_dir, block)
@@ -463,7 +458,8 @@ def test_fp8_block_checkpoint_loads_dequantized(tiny, ids, tmp_path, block):
     name = "model.language_model.layers.1.mlp.experts.3.up_proj.weight"
     with safe_open(str(fp8_dir / index[name]), framework="pt") as f:
         assert f.get_tensor(name).dtype == FP8_DTYPE and name + "_scale_inv" in f.keys()
-    reference = Glm5NextForConditionalGeneration.from_pretrained(restored_dir, dtype=torch.float32).eval()
+    reference = reference_modeling().Glm5NextForConditionalGeneration.from_pretrained(restored_dir,
+                                                                                dtype=torch.float32).eval()
     with torch.no_grad():
         expected = reference(ids).logits
     ours = load_glm5_next(fp8_dir, torch.float32)

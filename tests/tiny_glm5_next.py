@@ -74,13 +74,25 @@ def text_config(**overrides) -> dict:
     return {**TINY_TEXT, **overrides}
 
 
+def reference_modeling():
+    """transformers' glm5_next module with its KDA on its own torch functions. transformers runs KDA on fla's
+    kernels whenever fla imports (fla-core is our dependency, for kernels/kda.py), and their chunked form needs a
+    GPU; the reference is the plain torch one on any device."""
+    from transformers.models.glm5_next import modeling_glm5_next as tm
+
+    for name in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"):
+        function = getattr(tm, name)
+        setattr(tm, name, getattr(function, "__wrapped__", function))  # the torch function transformers wrapped
+    return tm
+
+
 def make_reference_model(seed: int = 0, **overrides):
     """A random transformers Glm5NextForConditionalGeneration (fp32, eval) with a tiny vision tower."""
-    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+    from transformers import Glm5NextConfig
 
     config = Glm5NextConfig(text_config=text_config(**overrides), vision_config=TINY_VISION)
     torch.manual_seed(seed)
-    model = Glm5NextForConditionalGeneration(config).eval()
+    model = reference_modeling().Glm5NextForConditionalGeneration(config).eval()
     randomize_(model, seed)
     return model
 
