@@ -301,6 +301,7 @@ class Glm5NextCache:
         self.latents = torch.zeros(len(mla_layers), batch_size, max_length, config.kv_lora_rank, dtype=dtype,
                                    device=device)
         self.index = PooledIndexCache(indexer_ape, max_length, batch_size, index_dtype, device) if indexer_ape else None
+        self.backend = kernel_backend(self.latents.device)  # read once, not by every layer on every forward
         self.length = 0
         self.selected: dict[int, torch.Tensor] = {}  # this forward's token selection, by indexer layer
         self._undo: dict | None = None
@@ -574,7 +575,7 @@ class Indexer(nn.Module):
             return select_tokens(None, cache.positions.expand(x.shape[0], -1), cache.end, self.kpool, self.topk)
         q = self.wq_b(q_resid).unflatten(-1, (self.heads, self.head_dim))
         weights = self.weights_proj(x).float() * self.heads ** -0.5
-        if kernel_backend(x.device) == "triton":  # scoring, top-k, expansion and the tail in two kernels
+        if cache.backend == "triton":  # scoring, top-k, expansion and the tail in two kernels
             from kernels import index_topk
 
             pooled, scale = cache.index.stored(slot)
@@ -614,22 +615,25 @@ class MultiLatentAttention(nn.Module):
             cache.selected[self.layer] = self.indexer.select(x, q_resid, cache, self.index_slot)
         selected = cache.selected[self.source_layer]
         # The kernel reads each query's own selection: prefill runs in the latent form too, with no O(T x L) mask.
-        latent_form = cache.decode_form or kernel_backend(x.device) == "triton"
-        attend = self.attend_latent if latent_form else self.attend_expanded
-        return self.o_proj(attend(q, latents, selected).reshape(B, T, -1))
+        if cache.decode_form or cache.backend == "triton":
+            mixed = self.attend_latent(q, latents, selected, cache.backend)
+        else:
+            mixed = self.attend_expanded(q, latents, selected)
+        return self.o_proj(mixed.reshape(B, T, -1))
 
     def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into the key part (H, nope, R) and the value part (H, v_dim, R)."""
         w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
         return w[:, :self.nope], w[:, self.nope:]
 
-    def attend_latent(self, q: torch.Tensor, latents: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    def attend_latent(self, q: torch.Tensor, latents: torch.Tensor, selected: torch.Tensor, backend: str) -> torch.Tensor:
         """The decode form: q . (W_uk c) = (W_uk^T q) . c, so scores and the weighted sum run on the selected
         latents c (width R) and W_uv is applied once to the result. q (B, T, H, nope) -> (B, T, H, v_dim).
-        On the Triton backend the middle part is `kernels.mla_sparse_attention`."""
+        On the Triton backend the middle part is `kernels.mla_sparse_attention`; the torch branch is kept here rather
+        than calling that op's reference, whose module imports Triton (a torch run never does)."""
         w_uk, w_uv = self._up_projections()
         q_latent = torch.einsum("bthd,hdr->bthr", q, w_uk)
-        if kernel_backend(q.device) == "triton":
+        if backend == "triton":
             from kernels import mla_sparse_attention
 
             mixed = mla_sparse_attention(q_latent, latents, selected, self.scale)
