@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=4096, help="tokens of the causal prefill")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", choices=("both", "bf16", "fp32"), default="both",
+                        help="the cache dtype(s) of the decode measurement (fp32: what an AVX2-only CPU's engine runs)")
     args = parser.parse_args()
 
     import torch
@@ -48,7 +50,8 @@ def main() -> None:
         sys.exit(f"the C kernels are not available here: {origin}")
     layers, KV, group, D = 30, 3, 3, 64
     print(f"{origin}; threads {args.threads}")
-    for dtype in (torch.bfloat16, torch.float32):
+    dtypes = {"both": (torch.bfloat16, torch.float32), "bf16": (torch.bfloat16,), "fp32": (torch.float32,)}
+    for dtype in dtypes[args.dtype]:
         k, v = (torch.randn(layers, 1, KV, args.keys, D).to(dtype) for _ in range(2))
         q = torch.randn(1, KV, group, D).to(dtype)
         steps = {
@@ -56,9 +59,9 @@ def main() -> None:
             "C": lambda: [native_attention(q, k[i], v[i]) for i in range(layers)],
         }
         ms = {name: median_seconds(run, args.repeats) / layers * 1e3 for name, run in steps.items()}
-        read = 2 * args.keys * KV * D * k.element_size() / (ms["C"] / 1e3) / 1e9
-        print(f"decode, {args.keys} keys, {str(dtype).removeprefix('torch.')}: torch {ms['torch']:.3f} ms a layer, "
-              f"C {ms['C']:.3f} ms ({read:.1f} GB/s): {ms['torch'] / ms['C']:.2f}x")
+        read = {name: 2 * args.keys * KV * D * k.element_size() / (t / 1e3) / 1e9 for name, t in ms.items()}
+        print(f"decode, {args.keys} keys, {str(dtype).removeprefix('torch.')}: torch {ms['torch']:.3f} ms a layer "
+              f"({read['torch']:.1f} GB/s), C {ms['C']:.3f} ms ({read['C']:.1f} GB/s): {ms['torch'] / ms['C']:.2f}x")
     if not prefill_kernel_runs(torch.device("cpu"), torch.bfloat16, D):
         print("prefill: the C kernel does not run on this CPU (bf16 with AVX512-BF16 and no AMX only)")
         return

@@ -1,11 +1,13 @@
 /* Attention on the CPU: a decode kernel (`decode_attention`: one query per sequence, a few query rows per KV
-   head) and a prefill kernel (`prefill_attention`: a prompt segment's many rows), AVX-512.
+   head) and a prefill kernel (`prefill_attention`: a prompt segment's many rows). The decode kernel is built for
+   AVX-512 or, on CPUs without it, for AVX2 with FMA (the same structure with 8-lane vectors: see the AVX2 section);
+   the prefill kernel needs AVX512-BF16 (prefill_attention_supports says where it runs).
 
    Built on first use by kernels/cpu_attention.py (cc -O3 -march=native) and called through ctypes; the torch
    reference sits next to it there.
 
    Decode: every cached key and value is read from memory once per step for all the query rows of its KV head. Two
-   passes per head: scores, 16 keys at a time (their dot products reduced together, not one horizontal sum per
+   passes per head: scores, 16 keys at a time (AVX2: 8; their dot products reduced together, not one horizontal sum per
    key), then softmax weights and the weighted sum of values, a block of keys at a time so that the block stays in
    L1 while each query row uses it.
    - bf16 caches (CPUs with AVX512-BF16): products of bf16 pairs summed in fp32 by vdpbf16ps, q . k exactly as fp32
@@ -20,13 +22,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifndef __AVX512F__
-#error "the decode attention kernel needs AVX-512; the engine uses its torch path instead"
-#endif
-
+#if defined(__AVX512F__)
 #define LANES 16        /* fp32 values per vector; also keys per block of scores */
-#define VALUE_BLOCK 64  /* keys per block of values (16 KB at head_dim 64) */
 #define MAX_CHUNKS 16   /* head_dim / LANES: head_dim up to 256 */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8         /* fp32 values per vector; also keys per block of scores */
+#define MAX_CHUNKS 32   /* head_dim / LANES: head_dim up to 256 */
+#else
+#error "the decode attention kernel needs AVX-512, or AVX2 with FMA; the engine uses its torch path instead"
+#endif
+#define VALUE_BLOCK 64  /* keys per block of values (16 KB at head_dim 64, fp32) */
 #define MAX_ROWS 16     /* query heads per KV head */
 #define PREFETCH_AHEAD 64 /* rows, into L2: without it a DRAM-resident cache was read 40% slower (docs/benchmarks.md) */
 
@@ -36,6 +41,31 @@ INLINE void prefetch_row(const char *row, int bytes) {
     for (int byte = 0; byte < bytes; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T2);
 }
 
+/* The keys and values one KV head attends to. */
+typedef struct {
+    const void *keys, *values;        /* the head's row 0 */
+    int64_t stride;                   /* elements from one row to the next */
+    int64_t length;                   /* keys attended */
+    const int64_t *index;             /* the rows attended (gathered from a store), or NULL: rows 0 .. length-1 */
+    const float *rope_cos, *rope_sin; /* length x dim: key j is rotated at its own angles (rotate), or NULL */
+    const float *mask;                /* additive, one per key, or NULL */
+} head_keys;
+
+typedef struct {
+    float *scores;     /* rows x padded: logits, then softmax weights */
+    uint16_t *weights; /* rows x padded: the weights in bf16 (bf16 caches) */
+    int64_t padded;    /* length rounded up to LANES */
+} scratch;
+
+INLINE const char *row_address(const head_keys *h, const void *base, int64_t j, int element_size) {
+    return (const char *)base + (h->index ? h->index[j] : j) * h->stride * element_size;
+}
+
+INLINE void prefetch_key(const head_keys *h, const void *base, int64_t j, int bytes, int element_size) {
+    if (j < h->length) prefetch_row(row_address(h, base, j, element_size), bytes);
+}
+
+#if defined(__AVX512F__)
 /* Lane i of the result is the sum of the 16 lanes of v[i]: pairs are interleaved and added, 8 + 4 + 2 + 2 steps. */
 INLINE __m512 sum_lanes16(const __m512 v[LANES]) {
     __m512 pairs[8], quads[4], halves[2];
@@ -100,30 +130,6 @@ static void softmax_rows(float *scores, int64_t padded, int64_t length, int rows
             for (int64_t j = 0; j < length; j++) probs[r * length + j] = s[j] * inverse;
         }
     }
-}
-
-/* The keys and values one KV head attends to. */
-typedef struct {
-    const void *keys, *values;        /* the head's row 0 */
-    int64_t stride;                   /* elements from one row to the next */
-    int64_t length;                   /* keys attended */
-    const int64_t *index;             /* the rows attended (gathered from a store), or NULL: rows 0 .. length-1 */
-    const float *rope_cos, *rope_sin; /* length x dim: key j is rotated at its own angles (rotate), or NULL */
-    const float *mask;                /* additive, one per key, or NULL */
-} head_keys;
-
-typedef struct {
-    float *scores;     /* rows x padded: logits, then softmax weights */
-    uint16_t *weights; /* rows x padded: the weights in bf16 (bf16 caches) */
-    int64_t padded;    /* length rounded up to LANES */
-} scratch;
-
-INLINE const char *row_address(const head_keys *h, const void *base, int64_t j, int element_size) {
-    return (const char *)base + (h->index ? h->index[j] : j) * h->stride * element_size;
-}
-
-INLINE void prefetch_key(const head_keys *h, const void *base, int64_t j, int bytes, int element_size) {
-    if (j < h->length) prefetch_row(row_address(h, base, j, element_size), bytes);
 }
 
 INLINE __m512 bf16x16_to_float(const uint16_t *p) {
@@ -293,8 +299,232 @@ INLINE void head_bf16(const uint16_t *q, const head_keys *h, int pairs, int rows
 }
 #endif
 
+#ifdef __AVX512BF16__
+#define DECODE_BF16 /* bf16 caches: vdpbf16ps */
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 with FMA: the same two passes with 8-lane vectors, for fp32 and bf16 caches. There are no bf16 dot products
+   here: bf16 keys, values and queries are widened to fp32 (a 16-bit shift) and multiplied by fp32 FMAs, so q . k is
+   again exactly what fp32 arithmetic on the bf16 values gives (a product of two bf16 values is exact in fp32); the
+   softmax weights stay fp32 for the sum of values (the AVX-512 path rounds them to bf16 because vdpbf16ps takes
+   only bf16; here that would only add an error). A rotated bf16 key is rounded to bf16 once, as there. */
+
+/* Lane i of the result is the sum of the 8 lanes of v[i]: pairs interleaved and added, then quads, then the two
+   128-bit halves: 4 + 2 + 1 steps. */
+INLINE __m256 sum_lanes8(const __m256 v[LANES]) {
+    __m256 pairs[4], quads[2];
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        pairs[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                                 _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++) { /* per 128-bit lane: that lane's sums of v[4i..4i+3] */
+        __m256d a = _mm256_castps_pd(pairs[2 * i]), b = _mm256_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
+                                 _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
+                         _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+}
+
+INLINE float reduce_add8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+INLINE float reduce_max8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* exp(x) for x <= 0, as the AVX-512 exp_nonpositive (the same reduction and polynomial, so the same values): 2^n
+   is built in the exponent field (n >= -126 above the floor: a normal number, so the product rounds as scalef's). */
+INLINE __m256 exp_nonpositive(__m256 x) {
+    const __m256 floor_x = _mm256_set1_ps(-87.0f);
+    __m256 live = _mm256_cmp_ps(x, floor_x, _CMP_GE_OQ);
+    x = _mm256_max_ps(x, floor_x); /* a NaN gives the floor, and is not live: weight 0, as there */
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x); /* ln2 split in two */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723e-6f), r);
+    static const float taylor[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    __m256 p = _mm256_set1_ps(taylor[0]);
+    for (int i = 1; i < 8; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(taylor[i]));
+    __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(exponent)));
+}
+
+/* All ones in the lanes below n (0 <= n <= 8). */
+INLINE __m256i lanes_below(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* Stores one block of 8 scores (lanes from n on set to -inf, so that they weigh 0). */
+INLINE void store_scores(float *scores, __m256 dots, float scale, const float *mask, int n) {
+    __m256i valid = lanes_below(n);
+    __m256 s = _mm256_mul_ps(dots, _mm256_set1_ps(scale));
+    if (mask) s = _mm256_add_ps(s, _mm256_maskload_ps(mask, valid));
+    _mm256_storeu_ps(scores, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, _mm256_castsi256_ps(valid)));
+}
+
+/* As the AVX-512 softmax_rows (padded a multiple of 8 here). */
+static void softmax_rows(float *scores, int64_t padded, int64_t length, int rows, float *total, float *lse,
+                         float *probs) {
+    for (int r = 0; r < rows; r++) {
+        float *s = scores + r * padded;
+        __m256 top = _mm256_set1_ps(-INFINITY), sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < padded; j += LANES) top = _mm256_max_ps(top, _mm256_loadu_ps(s + j));
+        float top1 = reduce_max8(top);
+        __m256 shift = _mm256_set1_ps(top1 == -INFINITY ? 0.0f : top1);
+        for (int64_t j = 0; j < padded; j += LANES) {
+            __m256 w = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift));
+            _mm256_storeu_ps(s + j, w);
+            sum = _mm256_add_ps(sum, w);
+        }
+        total[r] = reduce_add8(sum);
+        if (lse) lse[r] = top1 == -INFINITY ? -INFINITY : top1 + logf(total[r]);
+        if (probs) {
+            float inverse = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
+            for (int64_t j = 0; j < length; j++) probs[r * length + j] = s[j] * inverse;
+        }
+    }
+}
+
+INLINE __m256 bf16x8_to_float(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* 8 elements of a row of the cache as fp32. */
+INLINE __m256 load_f32(const void *row, int c, int bf16) {
+    return bf16 ? bf16x8_to_float((const uint16_t *)row + c * LANES) : _mm256_loadu_ps((const float *)row + c * LANES);
+}
+
+/* fp32 rounded to the nearest bf16 (ties to even; NaN stays NaN), kept as fp32. */
+INLINE __m256 round_to_bf16(__m256 x) {
+    __m256i bits = _mm256_castps_si256(x);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    __m256 rounded = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xffff0000u)));
+    return _mm256_blendv_ps(rounded, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+/* Rotary embedding in the rotate-half layout, as the AVX-512 rotate (the same operations: the same fp32 keys).
+   chunks: dim / 8, even. */
+INLINE void rotate(__m256 *x, int chunks, const float *cos, const float *sin) {
+    __m256 rolled[MAX_CHUNKS];
+    for (int c = 0; c < chunks; c++) rolled[c] = x[(c + chunks / 2) % chunks];
+    for (int c = 0; c < chunks; c++)
+        x[c] = _mm256_fmadd_ps(x[c], _mm256_loadu_ps(cos + c * LANES),
+                               _mm256_mul_ps(rolled[c], _mm256_loadu_ps(sin + c * LANES)));
+}
+
+/* The fp32 values of key j, rotated when the head has tables: the cache row itself where it is fp32 and not
+   rotated, else `buffer` (dim floats) filled with them. */
+INLINE const float *key_f32(const head_keys *h, int64_t j, int chunks, int bf16, float *buffer) {
+    const char *row = row_address(h, h->keys, j, bf16 ? 2 : 4);
+    if (!bf16 && !h->rope_cos) return (const float *)row;
+    __m256 x[MAX_CHUNKS];
+    for (int c = 0; c < chunks; c++) x[c] = load_f32(row, c, bf16);
+    if (h->rope_cos) {
+        rotate(x, chunks, h->rope_cos + j * chunks * LANES, h->rope_sin + j * chunks * LANES);
+        if (bf16)
+            for (int c = 0; c < chunks; c++) x[c] = round_to_bf16(x[c]);
+    }
+    for (int c = 0; c < chunks; c++) _mm256_storeu_ps(buffer + c * LANES, x[c]);
+    return buffer;
+}
+
+/* o[c0 .. c0+G) (G vectors of one output row) += the weighted sum of n value rows: two chains of sums (even and odd
+   keys), 2G accumulators, so that the FMAs' latency does not bound the loop and no accumulator leaves a register. */
+INLINE void add_values(float *o, const float *w, const void *const *rows_of, int n, int c0, int G, int bf16) {
+    __m256 acc[4], odd[4];
+    for (int c = 0; c < G; c++) acc[c] = _mm256_loadu_ps(o + (c0 + c) * LANES), odd[c] = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 1 < n; j += 2) {
+        __m256 even_weight = _mm256_set1_ps(w[j]), odd_weight = _mm256_set1_ps(w[j + 1]);
+        for (int c = 0; c < G; c++) {
+            acc[c] = _mm256_fmadd_ps(even_weight, load_f32(rows_of[j], c0 + c, bf16), acc[c]);
+            odd[c] = _mm256_fmadd_ps(odd_weight, load_f32(rows_of[j + 1], c0 + c, bf16), odd[c]);
+        }
+    }
+    if (j < n)
+        for (int c = 0; c < G; c++)
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), load_f32(rows_of[j], c0 + c, bf16), acc[c]);
+    for (int c = 0; c < G; c++) _mm256_storeu_ps(o + (c0 + c) * LANES, _mm256_add_ps(acc[c], odd[c]));
+}
+
+/* One KV head of an fp32 (bf16 = 0) or bf16 cache. q: rows x dim fp32 (bf16 caches: the queries widened); out:
+   rows x dim fp32; lse: rows, or NULL; probs: rows x length, or NULL. chunks: dim / 8. */
+INLINE void head_any(const float *q, const head_keys *h, int chunks, int bf16, int rows, float scale, scratch s,
+                     float *out, float *lse, float *probs) {
+    float buffers[LANES][MAX_CHUNKS * LANES]; /* converted or rotated keys (8 KB at most) */
+    const float *keys[LANES];
+    float total[MAX_ROWS];
+    const int64_t length = h->length, padded = s.padded;
+    const int element_size = bf16 ? 2 : 4, row_bytes = chunks * LANES * element_size;
+    for (int64_t j0 = 0; j0 < length; j0 += LANES) {
+        int n = length - j0 < LANES ? (int)(length - j0) : LANES;
+        for (int j = 0; j < n; j++) {
+            prefetch_key(h, h->keys, j0 + j + PREFETCH_AHEAD, row_bytes, element_size);
+            keys[j] = key_f32(h, j0 + j, chunks, bf16, buffers[j]);
+        }
+        for (int j = n; j < LANES; j++) keys[j] = keys[0]; /* read, then masked to -inf */
+        for (int r = 0; r < rows; r++) {
+            /* the 8 keys' dot products side by side: each query vector loaded once for all of them */
+            __m256 partial[LANES];
+            for (int j = 0; j < LANES; j++) partial[j] = _mm256_setzero_ps();
+            for (int c = 0; c < chunks; c++) {
+                __m256 query = _mm256_loadu_ps(q + (r * chunks + c) * LANES);
+                for (int j = 0; j < LANES; j++)
+                    partial[j] = _mm256_fmadd_ps(query, _mm256_loadu_ps(keys[j] + c * LANES), partial[j]);
+            }
+            store_scores(s.scores + r * padded + j0, sum_lanes8(partial), scale, h->mask ? h->mask + j0 : NULL, n);
+        }
+    }
+    softmax_rows(s.scores, padded, length, rows, total, lse, probs);
+    memset(out, 0, sizeof(float) * rows * chunks * LANES);
+    for (int64_t j0 = 0; j0 < length; j0 += VALUE_BLOCK) {
+        int n = length - j0 < VALUE_BLOCK ? (int)(length - j0) : VALUE_BLOCK;
+        const void *rows_of[VALUE_BLOCK];
+        for (int j = 0; j < n; j++) {
+            prefetch_key(h, h->values, j0 + j + PREFETCH_AHEAD, row_bytes, element_size);
+            rows_of[j] = row_address(h, h->values, j0 + j, element_size);
+        }
+        for (int r = 0; r < rows; r++) {
+            float *o = out + r * chunks * LANES;
+            const float *w = s.scores + r * padded + j0;
+            int c0 = 0; /* 4 vectors of the row at a time (chunks is even: the last group may have 2) */
+            for (; c0 + 4 <= chunks; c0 += 4) add_values(o, w, rows_of, n, c0, 4, bf16);
+            if (c0 < chunks) add_values(o, w, rows_of, n, c0, 2, bf16);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        __m256 inverse = _mm256_set1_ps(total[r] > 0.0f ? 1.0f / total[r] : 0.0f);
+        for (int c = 0; c < chunks; c++)
+            _mm256_storeu_ps(out + (r * chunks + c) * LANES,
+                             _mm256_mul_ps(_mm256_loadu_ps(out + (r * chunks + c) * LANES), inverse));
+    }
+}
+
+/* One KV head of an fp32 cache. q: rows x dim fp32; out: rows x dim fp32; lse: rows, or NULL. */
+INLINE void head_f32(const float *q, const head_keys *h, int chunks, int rows, float scale, scratch s, float *out,
+                     float *lse, float *probs) {
+    head_any(q, h, chunks, 0, rows, scale, s, out, lse, probs);
+}
+
+/* One KV head of a bf16 cache; q bf16 (uint16 bit patterns), `pairs` = dim / 32 (as the AVX-512 head_bf16). */
+INLINE void head_bf16(const uint16_t *q, const head_keys *h, int pairs, int rows, float scale, scratch s,
+                      float *out, float *lse, float *probs) {
+    float wide[MAX_ROWS * MAX_CHUNKS * LANES];
+    for (int i = 0; i < rows * pairs * 4; i++) _mm256_storeu_ps(wide + i * LANES, bf16x8_to_float(q + i * LANES));
+    head_any(wide, h, pairs * 4, 1, rows, scale, s, out, lse, probs);
+}
+
+#define DECODE_BF16 /* bf16 caches: widened to fp32, no AVX512-BF16 needed */
+#endif
+
 /* Head functions with their loop bounds fixed for the head sizes models use (64, 128), and one for any size:
-   SIZE is head_dim / 16 (fp32 vectors) or head_dim / 32 (bf16 pairs of vectors). */
+   SIZE is head_dim / LANES (fp32 vectors) or head_dim / 32 (bf16 pairs of vectors). */
 #define HEAD_VARIANT(NAME, HEAD, ELEMENT, SIZE)                                                                    \
     static void NAME(const ELEMENT *q, const head_keys *h, int size, int rows, float scale, scratch s,           \
                      float *out, float *lse, float *probs) {                                                     \
@@ -302,10 +532,10 @@ INLINE void head_bf16(const uint16_t *q, const head_keys *h, int pairs, int rows
         HEAD(q, h, SIZE, rows, scale, s, out, lse, probs);                                                       \
     }
 typedef void (*f32_head)(const float *, const head_keys *, int, int, float, scratch, float *, float *, float *);
-HEAD_VARIANT(head_f32_d64, head_f32, float, 4)
-HEAD_VARIANT(head_f32_d128, head_f32, float, 8)
+HEAD_VARIANT(head_f32_d64, head_f32, float, 64 / LANES)
+HEAD_VARIANT(head_f32_d128, head_f32, float, 128 / LANES)
 HEAD_VARIANT(head_f32_any, head_f32, float, size)
-#ifdef __AVX512BF16__
+#ifdef DECODE_BF16
 typedef void (*bf16_head)(const uint16_t *, const head_keys *, int, int, float, scratch, float *, float *,
                           float *);
 HEAD_VARIANT(head_bf16_d64, head_bf16, uint16_t, 2)
@@ -539,11 +769,25 @@ int prefill_attention(const uint16_t *q, uint16_t *out, float *lse, const uint16
 #endif
 }
 
-/* Whether the kernel takes a cache of this element size (2: bf16, 4: fp32) and head size. */
-int decode_attention_supports(int element_size, int dim) {
-    if (element_size == 4) return dim % LANES == 0 && dim / LANES <= MAX_CHUNKS;
+/* Whether prefill_attention runs here for this element size and head size: bf16 with AVX512-BF16 only. A query
+   rather than a trial call: prefill_attention's -1 also means arguments it does not take or memory running out, so
+   a failed call could not tell "never here" from "not this time"; and the caller learns it before preparing
+   anything. (The symbol itself is always there, returning -1 where it cannot run, for the loader to bind.) */
+int prefill_attention_supports(int element_size, int dim) {
 #ifdef __AVX512BF16__
-    if (element_size == 2) return dim % 32 == 0 && dim / LANES <= MAX_CHUNKS;
+    return element_size == 2 && (dim == 32 || dim == 64 || dim == 128 || dim == 256);
+#else
+    (void)element_size, (void)dim;
+    return 0;
+#endif
+}
+
+/* Whether the decode kernel takes a cache of this element size (2: bf16, 4: fp32) and head size: fp32 a multiple
+   of 16, bf16 of 32, up to 256, on either instruction set. */
+int decode_attention_supports(int element_size, int dim) {
+    if (element_size == 4) return dim % 16 == 0 && dim <= MAX_CHUNKS * LANES;
+#ifdef DECODE_BF16
+    if (element_size == 2) return dim % 32 == 0 && dim <= MAX_CHUNKS * LANES;
 #endif
     return 0;
 }
@@ -555,8 +799,8 @@ int decode_attention_supports(int element_size, int dim) {
    one batch entry's tables to the next (0: shared), or NULL; mask: (batch,
    length) fp32 or NULL; out like q; lse: (batch, kv_heads, rows) fp32, the log-sum-exp of the scaled, masked
    logits, or NULL; probs: (batch, kv_heads, rows, length) fp32, each row's attention probabilities (where a
-   question looks: IndexPool's evidence), or NULL. Returns 0, or -1 for what it does not take (the caller then
-   uses torch). */
+   question looks: IndexPool's evidence), or NULL. Returns 0, or -1 for what it does not take or when its scratch
+   memory cannot be allocated (the caller then uses torch). */
 int decode_attention(const void *q, const void *k, const void *v, const float *mask, void *out, float *lse,
                      int element_size, int batch, int kv_heads, int rows, int dim, int64_t length,
                      int64_t batch_stride, int64_t head_stride, int64_t token_stride, float scale,
@@ -589,7 +833,7 @@ int decode_attention(const void *q, const void *k, const void *v, const float *m
                     head_lse, head_probs);
                 continue;
             }
-#ifdef __AVX512BF16__
+#ifdef DECODE_BF16
             bf16_head bf16 = dim == 64 ? head_bf16_d64 : dim == 128 ? head_bf16_d128 : head_bf16_any;
             bf16((const uint16_t *)q + first * dim, &keys, dim / 32, rows, scale, s, result, head_lse, head_probs);
             for (int i = 0; i < rows * dim; i++) ((uint16_t *)out)[first * dim + i] = float_to_bf16(result[i]);

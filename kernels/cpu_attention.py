@@ -8,10 +8,11 @@ each query row's attention probabilities, which `ask` points at its sources with
 prefill kernel computes a prompt segment's attention with bf16 dot products laid out as outer products, about twice
 as fast as PyTorch's flash kernel on that CPU; it runs only where that was measured: bf16 without AMX.
 
-Both need AVX-512 (and AVX512-BF16 for bf16). The library is compiled on first use with the system's C compiler
-(`$CC`, else `cc`) for this CPU (`-march=native`), checked in a child process, and kept in the indexpool cache
-directory; no build step at install. Without a compiler or those instructions, on GPUs, or with
-INDEXPOOL_KERNELS=torch, the torch path runs instead; `indexpool info` says which.
+The decode kernel needs AVX-512, or AVX2 with FMA (fp32 and bf16 caches on either; bf16 widened to fp32 where
+there is no AVX512-BF16); the prefill kernel needs AVX512-BF16 (`prefill_kernel_runs`). The library is compiled on
+first use with the system's C compiler (`$CC`, else `cc`) for this CPU (`-march=native`), checked in a child
+process, and kept in the indexpool cache directory; no build step at install. Without a compiler or those
+instructions, on GPUs, or with INDEXPOOL_KERNELS=torch, the torch path runs instead; `indexpool info` says which.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ for size in (4, 2):
                 or any(abs(x - logit - math.log(keys)) > 1e-4 for x in lse)
                 or any(abs(p - 1 / keys) > 1e-6 for p in probs)):
             sys.exit(f"wrong result (element size {size}, gathered: {extra[0] is not None})")
-if lib.decode_attention_supports(2, dim):  # prefill: 3 queries at positions 34..36, two query heads each
+if lib.prefill_attention_supports(2, dim):  # prefill (AVX512-BF16 only): 3 queries at positions 34..36, 2 heads
     lib.prefill_attention.argtypes = [types[code] for code in sys.argv[3]]
     start, tokens = keys - 3, 3
     q = ctypes.create_string_buffer(pack([0.5] * 2 * tokens * dim))
@@ -196,10 +197,15 @@ def decode_attention_path(device: torch.device | str, dtype: torch.dtype, head_d
 
 
 @functools.cache
-def _supports(dtype: torch.dtype, head_dim: int) -> bool:
+def _supports(dtype: torch.dtype, head_dim: int, kernel: str = "decode") -> bool:
+    """Whether the built library's decode (or "prefill") kernel takes this dtype and head size on this CPU (the
+    prefill kernel needs AVX512-BF16, which the decode kernel does not: C's prefill_attention_supports)."""
     library = native_library()[0]
     sizes = {torch.bfloat16: 2, torch.float32: 4}
-    return library is not None and dtype in sizes and bool(library.decode_attention_supports(sizes[dtype], head_dim))
+    if library is None or dtype not in sizes:
+        return False
+    supports = library.prefill_attention_supports if kernel == "prefill" else library.decode_attention_supports
+    return bool(supports(sizes[dtype], head_dim))
 
 
 def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
@@ -271,12 +277,13 @@ def _in_row_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 def prefill_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `native_prefill` runs for these tensors: bf16 on a CPU without AMX (with AMX, PyTorch's flash
-    kernel runs its matmuls on AMX tiles; this kernel's AVX512-BF16 dot products were measured only against the
-    flash kernel on a CPU without them), head sizes 32, 64, 128, 256."""
+    """Whether `native_prefill` runs for these tensors: bf16 on a CPU with AVX512-BF16 (the library says; on an
+    AVX2 CPU only the decode kernel runs) without AMX (with AMX, PyTorch's flash kernel runs its matmuls on AMX
+    tiles; this kernel's AVX512-BF16 dot products were measured only against the flash kernel on a CPU without
+    them), head sizes 32, 64, 128, 256."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and head_dim in (32, 64, 128, 256)
             and not _torch_forced()
-            and not _has_amx() and _supports(dtype, head_dim))
+            and not _has_amx() and _supports(dtype, head_dim, "prefill"))
 
 
 @functools.cache
@@ -343,6 +350,9 @@ def prefill_attention_path(device: torch.device | str, dtype: torch.dtype, head_
         return native_library()[1]
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and _has_amx():
         return "torch (this CPU has AMX, which PyTorch's flash kernel uses)"
+    if (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not _torch_forced()
+            and native_library()[0] is not None and not _supports(dtype, 64, "prefill")):
+        return "torch (the C prefill kernel needs AVX512-BF16)"
     return "torch"
 
 

@@ -69,7 +69,8 @@ def test_reference_equals_grouped_query_attention(dtype, masked):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + ("-masked" if s[5] else ""))
 def test_kernel_equals_exact_attention(shape, dtype):
     """fp32: within 1e-6 of fp64 attention (fp32 sums over at most 4,096 keys; exp to 2e-7 relative). bf16: the
-    kernel rounds the softmax weights and the output to bf16 (each within 2^-9 relative), so its error is bounded by
+    kernel rounds the softmax weights (AVX-512; AVX2 keeps them fp32) and the output to bf16 (each within 2^-9
+    relative), so its error is bounded by
     2^-8 of the largest value plus 2^-8 of the largest output (q . k is exact: bf16 products summed in fp32); and it
     is no further from exact than torch's bf16 attention plus one output rounding."""
     _require_kernel()
@@ -193,7 +194,7 @@ def test_prefill_kernel_equals_exact_attention(shape):
     (q . k exact, fp32 sums over at most 317 keys)."""
     B, H, KV, T, start, D, threads = shape
     if not cpu.prefill_kernel_runs(torch.device("cpu"), torch.bfloat16, D):
-        pytest.skip(f"the C prefill kernel does not run here ({cpu.native_library()[1]}; AMX: {cpu._has_amx()})")
+        pytest.skip(f"the C prefill kernel does not run here: {cpu.prefill_attention_path('cpu', torch.bfloat16, D)}")
     generator = torch.Generator().manual_seed(T + start)
     q = torch.randn(B, T, H + 2 * KV, D, generator=generator).bfloat16()[:, :, :H].transpose(1, 2)  # as the engine
     k, v = (torch.randn(B, KV, start + T + 9, D, generator=generator).bfloat16()[:, :, : start + T] for _ in range(2))
@@ -235,6 +236,74 @@ def test_every_key_masked_gives_zeros():
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     torch.testing.assert_close(got[0].double(), _exact(q[:1], k[:1], v[:1], None)[0], atol=1e-6, rtol=0)
     assert cpu.native_attention(q, k, v, mask, return_lse=True)[1][1].eq(float("-inf")).all()
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, d) for d in (16, 48, 64, 128, 256)]
+                         + [(torch.bfloat16, d) for d in (32, 64, 128, 256)])
+def test_kernel_rows_keys_and_head_sizes(dtype, dim):
+    """Every row count the kernel takes (1..16 per KV head) against key counts on and off its blocks of scores (16
+    keys with AVX-512, 8 with AVX2) and values (64 keys), at the head sizes it specialises (64, 128) and others (16,
+    48: fp32 vectors in groups that do not divide them; 32, 256); two sequences, the second masked past its first
+    keys. Output, log-sum-exp and probabilities against fp64, within the bounds of the tests above."""
+    _require_kernel()
+    generator = torch.Generator().manual_seed(dim)
+    for keys in (1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 129):
+        for R in range(1, cpu.MAX_ROWS + 1):
+            q = torch.randn(2, 1, R, dim, generator=generator).to(dtype)
+            k, v = (torch.randn(2, 1, keys, dim, generator=generator).to(dtype) for _ in range(2))
+            hidden = torch.stack([torch.zeros(keys, dtype=torch.bool), torch.arange(keys) >= (keys + 1) // 2])
+            mask = torch.zeros(2, keys).masked_fill_(hidden, float("-inf"))[:, None, None, :]
+            out, lse, probs = cpu.native_attention(q, k, v, mask, return_probs=True)
+            logits = q.double() @ k.double().transpose(-1, -2) * dim**-0.5 + mask.double()
+            exact = logits.softmax(-1) @ v.double()
+            assert out.dtype == dtype and probs.shape == (2, 1, R, keys)
+            tolerance = 1e-6 if dtype == torch.float32 else 2**-8 * (v.abs().max() + exact.abs().max()).item()
+            torch.testing.assert_close(out.double(), exact, atol=tolerance, rtol=0, msg=f"{keys} keys, {R} rows")
+            torch.testing.assert_close(lse.double(), logits.logsumexp(-1), atol=1e-5, rtol=0)
+            torch.testing.assert_close(probs.double(), logits.softmax(-1), atol=1e-6, rtol=1e-5)
+            assert torch.all(probs[hidden[:, None, None, :].expand_as(probs)] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [32, 64, 96, 128, 256])
+def test_kernel_rotates_with_tables_per_sequence(dtype, dim):
+    """RoPE tables per batch entry (B, N, D): each sequence's gathered keys rotated at its own angles (IndexPool's
+    far part when sequences place their selections differently), 13 rows per KV head, against fp64 as in
+    test_kernel_gathers_and_rotates_keys."""
+    _require_kernel()
+    generator = torch.Generator().manual_seed(dim + 1)
+    B, KV, R, N, tokens = 3, 2, 13, 45, 120
+    q = torch.randn(B, KV, R, dim, generator=generator).to(dtype)
+    index = torch.stack([torch.randperm(tokens, generator=generator)[:N] for _ in range(B)])  # unsorted rows
+    store = torch.randn(2, 1, KV, tokens, dim, generator=generator).to(dtype)
+    angles = torch.rand(B, N, dim // 2, generator=generator, dtype=torch.float64) * 6.3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)  # (B, N, dim)
+    k, v = (store[i, 0][:, index].transpose(0, 1).double() for i in (0, 1))  # (B, KV, N, dim)
+    rotated = k * cos[:, None] + k.roll(dim // 2, -1) * sin[:, None]
+    if dtype == torch.bfloat16:
+        rotated = rotated.to(dtype).double()
+    exact, exact_lse = _exact(q, rotated, v, None, return_lse=True)
+    got, lse = cpu.native_attention(q, store[0], store[1], return_lse=True, index=index, rope=(cos, sin))
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, atol=1e-6, rtol=0)
+        torch.testing.assert_close(lse.double(), exact_lse, atol=1e-5, rtol=0)
+    else:
+        assert (got.double() - exact).abs().max().item() <= 2**-8 * (v.abs().max() + exact.abs().max()).item()
+        torch.testing.assert_close(lse.double(), exact_lse, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_key_seen_gives_zeros_probabilities_and_minus_infinity(dtype):
+    """A sequence whose keys are all masked, and an empty cache: output 0, log-sum-exp -inf, probabilities 0."""
+    _require_kernel()
+    q, k, v, _ = _inputs(2, 6, 2, 21, 64, None, dtype)
+    mask = torch.zeros(2, 1, 1, 21)
+    mask[1] = float("-inf")
+    out, lse, probs = cpu.native_attention(q, k, v, mask, return_probs=True)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and lse[1].eq(float("-inf")).all()
+    assert torch.equal(probs[1], torch.zeros_like(probs[1])) and lse[0].isfinite().all()
+    out, lse = cpu.native_attention(q, k[:, :, :0], v[:, :, :0], return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and lse.eq(float("-inf")).all()
 
 
 def test_switch_to_torch(monkeypatch):
@@ -330,7 +399,7 @@ def test_bf16_engine_reads_through_the_prefill_kernel(attention, monkeypatch):
     window, own and far parts each have more than 16 rows) through the prefill kernel: its logits are no further
     from the same weights' fp32 logits than the torch path's, plus one bf16 rounding of the largest logit."""
     if not cpu.prefill_kernel_runs(torch.device("cpu"), torch.bfloat16, 32):
-        pytest.skip(f"the C prefill kernel does not run here ({cpu.native_library()[1]}; AMX: {cpu._has_amx()})")
+        pytest.skip(f"the C prefill kernel does not run here: {cpu.prefill_attention_path('cpu', torch.bfloat16, 32)}")
     import copy
     from dataclasses import replace
 
