@@ -20,21 +20,16 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from . import BACKEND_VARIABLE
+from .native_build import build_native
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
 MAX_ROWS = 16  # query heads per KV head, as in the C source
 # decode_attention's arguments, one letter each: p pointer, i int, q int64, f float
 SIGNATURE = "pppppp" + "iiiii" + "qqqq" + "f" + "ppp" + "q" + "p"
@@ -49,17 +44,6 @@ def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     keys took 3.96 ms that way, 0.60 ms this way (docs/benchmarks.md). mask: additive, broadcastable to
     (B, 1, 1, S)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-def _cpu_identity() -> str:
-    """What -march=native compiles for: the CPU's feature flags where the OS lists them."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # Run in a child process on a freshly built library before it is used: a VM can advertise instructions it then
@@ -117,29 +101,10 @@ if lib.prefill_attention_supports(2, dim):  # prefill (AVX512-BF16 only): 3 quer
 def native_library() -> tuple[ctypes.CDLL | None, str]:
     """The compiled kernel and a line saying where it came from, or (None, why not). A build that fails (no
     compiler, no AVX-512, a self-test that faults) is remembered next to where the library would be, and not
-    retried for this source, compiler and CPU."""
-    from model.tensor_cache import default_cache_dir
-
-    compiler = os.environ.get("CC", "cc")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join((compiler, *FLAGS)).encode(), _cpu_identity().encode()]))
-    directory = default_cache_dir("kernels")
-    path = directory / f"cpu_attention-{key.hexdigest()[:16]}.so"
-    failed = path.with_suffix(".failed")
-    if not path.exists():
-        if failed.exists():
-            return None, failed.read_text()
-        reason = _build(compiler, directory, path)
-        if reason is not None:
-            try:
-                failed.write_text(reason)  # a few bytes: a torn write only costs a retry
-            except OSError:
-                pass
-            return None, reason
-    try:
-        library = ctypes.CDLL(str(path))
-    except OSError as error:
-        return None, f"torch (the C kernel did not load: {error})"
+    retried for this source, compiler and CPU (`kernels.native_build`)."""
+    library, origin = build_native(SOURCE, SELF_TEST, (SIGNATURE, PREFILL_SIGNATURE))
+    if library is None:
+        return None, origin
     library.decode_attention.restype = ctypes.c_int
     types = {"p": ctypes.c_void_p, "i": ctypes.c_int, "q": ctypes.c_int64, "f": ctypes.c_float}
     library.decode_attention.argtypes = [types[code] for code in SIGNATURE]
@@ -147,30 +112,7 @@ def native_library() -> tuple[ctypes.CDLL | None, str]:
     library.prefill_attention.argtypes = [types[code] for code in PREFILL_SIGNATURE]
     library.decode_attention_supports.restype = ctypes.c_int
     library.decode_attention_supports.argtypes = [ctypes.c_int, ctypes.c_int]
-    return library, f"C kernel ({path})"
-
-
-def _build(compiler: str, directory: Path, path: Path) -> str | None:
-    """Compiles and self-tests the library aside, then renames it to `path` (atomic); returns why not, or None."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=directory) as scratch:
-            built = Path(scratch) / path.name
-            compiled = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
-                                      timeout=120)
-            if compiled.returncode != 0:
-                lines = compiled.stderr.decode(errors="replace").strip().splitlines()
-                error = next((line for line in lines if "error" in line), lines[-1] if lines else "no output")
-                return f"torch (the C kernel did not build: {error.strip()})"
-            tested = subprocess.run([sys.executable, "-c", SELF_TEST, str(built), SIGNATURE, PREFILL_SIGNATURE],
-                                    capture_output=True, timeout=60)
-            if tested.returncode != 0:
-                lines = tested.stderr.decode(errors="replace").strip().splitlines() or [f"exit {tested.returncode}"]
-                return f"torch (the C kernel failed its self-test: {lines[-1]})"
-            os.replace(built, path)
-    except (OSError, subprocess.SubprocessError) as error:
-        return f"torch (the C kernel did not build: {error})"
-    return None
+    return library, origin
 
 
 def _torch_forced() -> bool:

@@ -12,6 +12,7 @@ from .llama import LlamaConfig
 from .loader import LoadedModel, load_model, model_path
 from .tensor_cache import TensorCache, cache_key, default_cache_dir
 from .quant import quantize_for_decode
+from kernels import cpu_linear
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -75,8 +76,9 @@ def decode_bits(choice: str, source_bits_per_weight: float) -> int | None:
 
 def load_engine(model: str | os.PathLike | None, dtype: str = "auto", device: str | None = None, decode_weights: str = "auto") -> LoadedModel:
     """Load a model for generation. A bf16 model on the CPU decodes with quantized weight copies unless
-    `decode_weights` is "off". The output layer stays int8: GGUF files keep it at 8 bits or more (the default
-    model's tied embedding is Q8_0), as the matrix whose rounding reaches the logits directly.
+    `decode_weights` is "off", and so does an fp32 one where the C kernels of kernels/cpu_linear.c build. The
+    output layer stays int8: GGUF files keep it at 8 bits or more (the default model's tied embedding is Q8_0), as
+    the matrix whose rounding reaches the logits directly.
 
     A GGUF model's prepared weights (dequantized, plus the decode copies: seconds of work) are kept in the prepared
     weights cache (~/.cache/indexpool/models; INDEXPOOL_PREPARED_WEIGHTS=0 turns it off), so the next load reads
@@ -120,8 +122,12 @@ PREPARED_LIMIT_BYTES = 4 * 1024**3
 def _prepare_decode(loaded: LoadedModel, decode_weights: str, dtype: torch.dtype, device: str, compute: bool = True) -> None:
     bits = decode_bits(decode_weights, loaded.source_bits_per_weight)
     # Only the llama family decodes with quantized copies. In glm5_next most weights are routed experts (not
-    # nn.Linear layers), and rounding its indexer projections would flip near-tied pool rankings.
-    if bits and device == "cpu" and dtype == torch.bfloat16 and isinstance(loaded.config, LlamaConfig):
+    # nn.Linear layers), and rounding its indexer projections would flip near-tied pool rankings. fp32 (a CPU
+    # without native bf16) takes them where the C kernels of kernels/cpu_linear.c build, else keeps fp32 weights
+    # (`indexpool info` says which).
+    if not (bits and device == "cpu" and isinstance(loaded.config, LlamaConfig)):
+        return
+    if dtype == torch.bfloat16 or (dtype == torch.float32 and cpu_linear.kernel_runs()):
         quantize_for_decode(loaded.model, bits, keep_int8=("output",), compute=compute)
 
 
@@ -131,6 +137,6 @@ def _weights_code_hash() -> str:
 
     here = Path(__file__).parent
     digest = hashlib.sha256()
-    for name in ("gguf_file.py", "loader.py", "llama.py", "quant.py"):
+    for name in ("gguf_file.py", "loader.py", "llama.py", "quant.py", "../kernels/cpu_linear.py"):
         digest.update((here / name).read_bytes())
     return digest.hexdigest()[:16]

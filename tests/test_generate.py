@@ -17,7 +17,7 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def engine():
     """The default model in fp32 (no quantized decode weights): the numerically plain reference."""
-    return load_engine(None, "fp32")
+    return load_engine(None, "fp32", decode_weights="off")
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +243,25 @@ def test_bf16_quantized_decode_agrees_with_fp32_on_a_short_prefix(engine, bf16_e
         assert len(ours) == 8 and stats.stop_reason == "max_new_tokens"
         matches.append(ours == reference)
     assert any(matches), "bf16 + int4/int8 greedy output differs from fp32 within 8 tokens on both prompts"
+
+
+def test_fp32_quantized_decode_agrees_with_fp32_on_a_short_prefix(engine):
+    """On an fp32 model the C kernels of kernels/cpu_linear.c run the int4/int8 copies (up to
+    DecodeQuantLinear.fp32_max_rows rows: these short prompts' prefill too). Quantization changes the logits as in
+    the bf16 test above, so the same check: 8 greedy tokens, one of two prompts equal to the fp32 weights' tokens."""
+    from kernels import cpu_linear
+
+    library, origin = cpu_linear.native_library()
+    if library is None:
+        pytest.skip(f"the C linear kernels do not build here: {origin}")
+    quantized = load_engine(None, "fp32")
+    layers = [m for m in quantized.model.modules() if isinstance(m, DecodeQuantLinear)]
+    assert len(layers) == 4 * quantized.config.n_layers + 1 and all(m.native for m in layers)
+    matches = []
+    for text in (PROMPT, "One, two, three, four,"):
+        prompt = engine.tokenizer.encode(text)
+        ours, stats, _ = run(quantized.model, prompt, greedy(), 8)
+        reference, _, _ = run(engine.model, prompt, greedy(), 8)
+        assert len(ours) == 8 and stats.stop_reason == "max_new_tokens"
+        matches.append(ours == reference)
+    assert any(matches), "fp32 + int4/int8 greedy output differs from fp32 weights within 8 tokens on both prompts"

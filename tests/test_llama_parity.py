@@ -18,7 +18,7 @@ NEW_TOKENS = 64
 def ours():
     from model.runtime import load_engine
 
-    return load_engine(None, "fp32")
+    return load_engine(None, "fp32", decode_weights="off")  # fp32 weights throughout: parity, not quantization
 
 
 @pytest.fixture(scope="module")
