@@ -845,15 +845,25 @@ def bench(
     decode_tokens: Annotated[int, typer.Option("--decode-tokens", help="Tokens timed per decode run.")] = 32,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs per figure; the median is reported.")] = 3,
     engines: Annotated[str, typer.Option("--engines", help="Comma-separated: indexpool, transformers, llama.cpp (skipped if not installed).")] = "indexpool,transformers,llama.cpp",
+    decode_weights: Annotated[str, typer.Option("--decode-weights", help="Comma-separated --decode-weights choices for our engine, each run in turn (auto, int4, int8, off); the ratios are the first one's.")] = "auto",
     json_out: JsonOpt = False,
 ):
     """Benchmark our engine against transformers (and llama.cpp if installed) on the same weights."""
+    from model.runtime import decode_bits
+
     from .bench import ENGINES, run_bench
 
     chosen = engines.split(",")
     if unknown := [e for e in chosen if e not in ENGINES]:
         raise typer.BadParameter(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
-    run_bench(model, [int(c) for c in contexts.split(",")], prefill_length, decode_tokens, repeats, chosen, json_out)
+    weights = tuple(decode_weights.split(","))
+    try:
+        for choice in weights:
+            decode_bits(choice, 16)  # checked before any run
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    run_bench(model, [int(c) for c in contexts.split(",")], prefill_length, decode_tokens, repeats, chosen, json_out,
+              weights)
 
 
 from .distill import distill  # noqa: E402  (the command's heavy imports happen when it runs)

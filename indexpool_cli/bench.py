@@ -24,7 +24,10 @@ ENGINES = {
 }
 
 
-def run_bench(model, contexts, prefill_length, decode_tokens, repeats, engines, json_out) -> None:
+def run_bench(model, contexts, prefill_length, decode_tokens, repeats, engines, json_out,
+              decode_weights: tuple[str, ...] = ("auto",)) -> None:
+    """decode_weights: our engine runs once per choice (`--decode-weights`), in this order; the ratios are the
+    first run's."""
     from model.default_model import default_model_path
 
     from .console import err_console
@@ -36,13 +39,15 @@ def run_bench(model, contexts, prefill_length, decode_tokens, repeats, engines, 
         if engine == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
             results.append({"engine": engine, "dtype": "gguf", "error": "skipped: llama-cpp-python is not installed"})
             continue
-        for variant in ENGINES[engine]:
+        variants = [{**v, "decode_weights": d} for v in ENGINES[engine] for d in decode_weights] \
+            if engine == "indexpool" else ENGINES[engine]
+        for variant in variants:
             if engine == "transformers" and variant["dtype"] == "bf16" and not _native_bf16():
                 results.append({"engine": engine, "dtype": "bf16", "error": "skipped: this CPU has no native bf16 "
                                 "(emulated bf16 matmuls; fp32 is the reference here)"})
                 continue
             job = {**spec, **variant}
-            err_console.print(f"[dim]running {engine} ({variant['dtype']})...[/dim]")
+            err_console.print(f"[dim]running {engine} ({', '.join(variant.values())})...[/dim]")
             proc = subprocess.run([sys.executable, "-m", "indexpool_cli.bench", engine, json.dumps(job)], capture_output=True, text=True)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
             if proc.returncode != 0 or not lines:
@@ -116,8 +121,12 @@ def _worker_indexpool(job):
     from model.generate import Session
     from model.runtime import load_engine
 
-    loaded = load_engine(job["model"], job["dtype"])
+    from model.quant import DecodeQuantLinear
+
+    loaded = load_engine(job["model"], job["dtype"], decode_weights=job.get("decode_weights", "auto"))
     model, vocab = loaded.model, loaded.config.vocab_size
+    bits = sorted({m.bits for m in model.modules() if isinstance(m, DecodeQuantLinear)})
+    label = str(model.dtype).removeprefix("torch.") + (f", decode {'+'.join(f'int{b}' for b in bits)}" if bits else "")
 
     def prefill_time(n, room=1):
         session = Session(model, n + room)
@@ -140,7 +149,7 @@ def _worker_indexpool(job):
 
             return _time(steps)
 
-    return str(model.dtype).removeprefix("torch."), prefill_time, decode_time
+    return label, prefill_time, decode_time
 
 
 def _worker_transformers(job):

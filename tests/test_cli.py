@@ -245,7 +245,8 @@ def test_bad_option_is_a_usage_error():
 
 
 def test_bad_choices_are_usage_errors():
-    for args in (["complete", "--dtype", "fp12", "x"], ["complete", "--decode-weights", "int3", "x"], ["bench", "--engines", "foo"]):
+    for args in (["complete", "--dtype", "fp12", "x"], ["complete", "--decode-weights", "int3", "x"], ["bench", "--engines", "foo"],
+                 ["bench", "--decode-weights", "auto,int3"]):
         proc = indexpool(*args)
         stderr = proc.stderr.decode("utf-8", "replace")
         assert proc.returncode == 2, (args, stderr)
@@ -284,6 +285,29 @@ def test_bench_skips_transformers_bf16_without_native_bf16(monkeypatch, capsys):
     skipped = [r for r in report["results"] if r["dtype"] == "bf16"]
     assert len(skipped) == 1 and skipped[0]["error"].startswith("skipped: this CPU has no native bf16")
     assert report["ratios"] == {"prefill": 1.0, "decode@16": 1.0}
+
+
+def test_bench_runs_our_engine_once_per_decode_weights_choice(monkeypatch, capsys):
+    """--decode-weights auto,off: our engine runs once per choice, in that order, and the ratios are the first's."""
+    from indexpool_cli import bench
+
+    started = []
+
+    def fake_run(command, **kwargs):
+        job = json.loads(command[-1])
+        started.append((command[-2], job.get("decode_weights")))
+        speed = {"auto": 30.0, "off": 15.0}.get(job.get("decode_weights"), 10.0)
+        figures = {"engine": command[-2], "dtype": job["dtype"], "prefill_tps": speed, "decode_tps": {"16": speed},
+                   "peak_rss_mib": 1.0}
+        return subprocess.CompletedProcess(command, 0, stdout=json.dumps(figures) + "\n", stderr="")
+
+    monkeypatch.setattr(bench, "_native_bf16", lambda: False)
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    bench.run_bench(None, [16], 64, 2, 1, ["indexpool", "transformers"], json_out=True, decode_weights=("auto", "off"))
+    report = json.loads(capsys.readouterr().out)
+    assert started == [("indexpool", "auto"), ("indexpool", "off"), ("transformers", None)]
+    assert [r["decode_tps"]["16"] for r in report["results"] if r["engine"] == "indexpool"] == [30.0, 15.0]
+    assert report["ratios"] == {"prefill": 3.0, "decode@16": 3.0}
 
 
 def test_missing_default_model(tmp_path):
