@@ -120,18 +120,7 @@ def test_kernel_gathers_and_rotates_keys(dtype, dim, R):
     store[:, :, :, ::2] = torch.randn(2, 1, KV, (tokens + 1) // 2, dim, generator=generator).to(dtype)
     angles = torch.rand(N, dim // 2, generator=generator, dtype=torch.float64) * 6.3
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)
-    k, v = (store[i, 0][:, index].transpose(0, 1).double() for i in (0, 1))  # (B, KV, N, dim)
-    rotated = k * cos + k.roll(dim // 2, -1) * sin
-    if dtype == torch.bfloat16:
-        rotated = rotated.to(dtype).double()
-    exact, exact_lse = _exact(q, rotated, v, None, return_lse=True)
-    got, lse = cpu.native_attention(q, store[0], store[1], return_lse=True, index=index, rope=(cos, sin))
-    if dtype == torch.float32:
-        torch.testing.assert_close(got.double(), exact, atol=1e-6, rtol=0)
-        torch.testing.assert_close(lse.double(), exact_lse, atol=1e-5, rtol=0)
-    else:
-        assert (got.double() - exact).abs().max().item() <= 2**-8 * (v.abs().max() + exact.abs().max()).item()
-        torch.testing.assert_close(lse.double(), exact_lse, atol=1e-3, rtol=0)
+    _check_gathered_and_rotated(q, store, index, cos, sin, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -279,18 +268,7 @@ def test_kernel_rotates_with_tables_per_sequence(dtype, dim):
     store = torch.randn(2, 1, KV, tokens, dim, generator=generator).to(dtype)
     angles = torch.rand(B, N, dim // 2, generator=generator, dtype=torch.float64) * 6.3
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)  # (B, N, dim)
-    k, v = (store[i, 0][:, index].transpose(0, 1).double() for i in (0, 1))  # (B, KV, N, dim)
-    rotated = k * cos[:, None] + k.roll(dim // 2, -1) * sin[:, None]
-    if dtype == torch.bfloat16:
-        rotated = rotated.to(dtype).double()
-    exact, exact_lse = _exact(q, rotated, v, None, return_lse=True)
-    got, lse = cpu.native_attention(q, store[0], store[1], return_lse=True, index=index, rope=(cos, sin))
-    if dtype == torch.float32:
-        torch.testing.assert_close(got.double(), exact, atol=1e-6, rtol=0)
-        torch.testing.assert_close(lse.double(), exact_lse, atol=1e-5, rtol=0)
-    else:
-        assert (got.double() - exact).abs().max().item() <= 2**-8 * (v.abs().max() + exact.abs().max()).item()
-        torch.testing.assert_close(lse.double(), exact_lse, atol=1e-3, rtol=0)
+    _check_gathered_and_rotated(q, store, index, cos, sin, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -429,3 +407,22 @@ def test_bf16_engine_reads_through_the_prefill_kernel(attention, monkeypatch):
     exact = logits(copy.deepcopy(model).float())  # the same weights, widened
     native_error, torch_error = ((t - exact).abs().max().item() for t in (native, torch_path))
     assert native_error <= torch_error + 2**-8 * exact.abs().max().item()
+
+
+def _check_gathered_and_rotated(q, store, index, cos, sin, dtype):
+    """The kernel over the rows `index` lists of store (2, 1, KV, tokens, dim), keys rotated by (cos, sin) ((N, dim)
+    shared, or (B, N, dim) per sequence), against the exact attention in fp64."""
+    dim = q.shape[-1]
+    k, v = (store[i, 0][:, index].transpose(0, 1).double() for i in (0, 1))  # (B, KV, N, dim)
+    tables = (cos, sin) if cos.dim() == 2 else (cos[:, None], sin[:, None])
+    rotated = k * tables[0] + k.roll(dim // 2, -1) * tables[1]
+    if dtype == torch.bfloat16:
+        rotated = rotated.to(dtype).double()
+    exact, exact_lse = _exact(q, rotated, v, None, return_lse=True)
+    got, lse = cpu.native_attention(q, store[0], store[1], return_lse=True, index=index, rope=(cos, sin))
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, atol=1e-6, rtol=0)
+        torch.testing.assert_close(lse.double(), exact_lse, atol=1e-5, rtol=0)
+    else:
+        assert (got.double() - exact).abs().max().item() <= 2**-8 * (v.abs().max() + exact.abs().max()).item()
+        torch.testing.assert_close(lse.double(), exact_lse, atol=1e-3, rtol=0)

@@ -235,14 +235,8 @@ def test_bf16_quantized_decode_agrees_with_fp32_on_a_short_prefix(engine, bf16_e
 
     # bf16 weights (prefill) and int4/int8 weights (decode) round differently from fp32, and greedy decoding amplifies a
     # flipped argmax, so only the first 8 tokens are compared, and one of two prompts has to match.
-    matches = []
-    for text in (PROMPT, "One, two, three, four,"):
-        prompt = engine.tokenizer.encode(text)
-        ours, stats, _ = run(bf16_engine.model, prompt, greedy(), 8)
-        reference, _, _ = run(engine.model, prompt, greedy(), 8)
-        assert len(ours) == 8 and stats.stop_reason == "max_new_tokens"
-        matches.append(ours == reference)
-    assert any(matches), "bf16 + int4/int8 greedy output differs from fp32 within 8 tokens on both prompts"
+    assert _agrees_on_a_short_prefix(bf16_engine.model, engine), \
+        "bf16 + int4/int8 greedy output differs from fp32 within 8 tokens on both prompts"
 
 
 def test_fp32_quantized_decode_agrees_with_fp32_on_a_short_prefix(engine):
@@ -257,11 +251,17 @@ def test_fp32_quantized_decode_agrees_with_fp32_on_a_short_prefix(engine):
     quantized = load_engine(None, "fp32")
     layers = [m for m in quantized.model.modules() if isinstance(m, DecodeQuantLinear)]
     assert len(layers) == 4 * quantized.config.n_layers + 1 and all(m.native for m in layers)
+    assert _agrees_on_a_short_prefix(quantized.model, engine), \
+        "fp32 + int4/int8 greedy output differs from fp32 weights within 8 tokens on both prompts"
+
+
+def _agrees_on_a_short_prefix(model, engine) -> bool:
+    """Whether `model`'s first 8 greedy tokens equal the fp32 engine's on at least one of two prompts."""
     matches = []
     for text in (PROMPT, "One, two, three, four,"):
         prompt = engine.tokenizer.encode(text)
-        ours, stats, _ = run(quantized.model, prompt, greedy(), 8)
+        ours, stats, _ = run(model, prompt, greedy(), 8)
         reference, _, _ = run(engine.model, prompt, greedy(), 8)
         assert len(ours) == 8 and stats.stop_reason == "max_new_tokens"
         matches.append(ours == reference)
-    assert any(matches), "fp32 + int4/int8 greedy output differs from fp32 weights within 8 tokens on both prompts"
+    return any(matches)
