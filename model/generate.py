@@ -223,7 +223,16 @@ class Session:
             if len(self.tokens) >= self.max_length:
                 stats.stop_reason = "context_full"
                 break
-            logits = self.model(token.view(1, 1), len(self.tokens), self.cache)[:, -1]
+            # The last token allowed is fed too, so that the session holds it for a next turn; its attention picks
+            # no token of this answer, so it adds no evidence (`generate_branches` stops before it).
+            evidence = getattr(self.cache, "evidence", None)
+            if stats.new_tokens == max_new_tokens and evidence is not None:
+                self.cache.evidence = None
+            try:
+                logits = self.model(token.view(1, 1), len(self.tokens), self.cache)[:, -1]
+            finally:
+                if evidence is not None:
+                    self.cache.evidence = evidence
             self.tokens.append(token_id)
             token = sampler(logits)
         stats.decode_seconds = time.perf_counter() - t0
