@@ -56,7 +56,7 @@ def command(fn):
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file or a Hugging Face model directory (default: SmolLM2-135M-Instruct).", envvar="INDEXPOOL_MODEL")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bf16 where the CPU has it, else fp32), bf16, fp16 or fp32.")]
-DecodeWeightsOpt = Annotated[str, typer.Option("--decode-weights", help="Weights for one-token decode steps on the CPU (a bf16 model, or an fp32 one where the C kernels build): auto (int4 for 4-bit files, else int8), int4, int8 or off.")]
+DecodeWeightsOpt = Annotated[str, typer.Option("--decode-weights", help="Weights for one-token decode steps on the CPU (a bf16 model, or an fp32 one where the C kernels build): auto (int4 for 4-bit files, else int8), int4, int8 or off (which also keeps an fp32 model's K/V cache in fp32; else it is bf16 where the C attention kernel runs).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: one per physical core).", envvar="INDEXPOOL_THREADS")]
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens to generate.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object per result instead of streaming text.")]
@@ -693,10 +693,11 @@ def info(
         "kv_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size,
-        "kv_cache_bytes_per_token": cfg.kv_bytes_per_token(m.dtype),
+        "kv_cache_dtype": str(m.cache_dtype or m.dtype).removeprefix("torch."),
+        "kv_cache_bytes_per_token": cfg.kv_bytes_per_token(m.cache_dtype or m.dtype),
         "decode_weights": "+".join(f"int{b}" for b in sorted({q.bits for q in m.modules() if isinstance(q, DecodeQuantLinear)})) or "same as dtype",
         "decode_linear": decode_weights_path(m),
-        "decode_attention": decode_attention_path(next(m.parameters()).device, m.dtype, cfg.head_dim),
+        "decode_attention": decode_attention_path(next(m.parameters()).device, m.cache_dtype or m.dtype, cfg.head_dim),
         "prefill_attention": prefill_attention_path(next(m.parameters()).device, m.dtype, cfg.head_dim),
     }
     facts.update(_indexpool_bytes(loaded))

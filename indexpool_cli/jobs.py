@@ -198,7 +198,7 @@ def session_identity(loaded, session, choice) -> dict:
         if cache.segment_indexer is not None:
             identity["segment_indexer_kind"] = type(cache.segment_indexer).__name__
     else:
-        identity.update(attention="dense", segment=session.segment)
+        identity.update(attention="dense", segment=session.segment, kv_dtype=str(cache.k.dtype))
     return identity
 
 

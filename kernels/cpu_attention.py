@@ -138,6 +138,11 @@ def decode_attention_path(device: torch.device | str, dtype: torch.dtype, head_d
     return origin
 
 
+def native_attention_takes(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the decode kernel runs here (built, not switched off) for a CPU cache of this dtype and head size."""
+    return not _torch_forced() and _supports(dtype, head_dim)
+
+
 @functools.cache
 def _supports(dtype: torch.dtype, head_dim: int, kernel: str = "decode") -> bool:
     """Whether the built library's decode (or "prefill") kernel takes this dtype and head size on this CPU (the
@@ -300,6 +305,10 @@ def prefill_attention_path(device: torch.device | str, dtype: torch.dtype, head_
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """R query rows per KV head, q (B, KV, R, D), against k/v (B, KV, S, D) -> (B, KV, R, D); mask additive,
-    broadcastable to (B, 1, 1, S). The C kernel where it runs, else the torch reference."""
+    broadcastable to (B, 1, 1, S). The C kernel where it runs, else the torch reference. A cache of another dtype
+    than q (an fp32 model's bf16 cache) is read as a model of its dtype reads it: q rounded to it, the result
+    widened back."""
+    if k.dtype != q.dtype:
+        return decode_attention(q.to(k.dtype), k, v, mask).to(q.dtype)
     out = native_attention(q, k, v, mask)
     return decode_attention_reference(q, k, v, mask) if out is None else out

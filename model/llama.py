@@ -87,13 +87,16 @@ class KVCache(nn.Module):
     place: `begin` is called once per forward, then `attend` once per layer with unrotated q/k."""
 
     def __init__(self, config: LlamaConfig, max_length: int, cos: torch.Tensor, sin: torch.Tensor, batch: int = 1,
-                 dtype: torch.dtype = torch.bfloat16, device=None):
-        """cos/sin: the model's RoPE tables covering at least max_length positions."""
+                 dtype: torch.dtype = torch.bfloat16, device=None, storage: torch.dtype | None = None):
+        """cos/sin: the model's RoPE tables covering at least max_length positions; dtype: the model's; storage:
+        the K/V buffers' (default dtype; an fp32 model on a CPU may keep bf16 ones, half the bytes a decode step
+        reads)."""
         super().__init__()
         self.rope_cos, self.rope_sin = cos, sin
+        self.dtype = dtype
         shape = (config.n_layers, batch, config.n_kv_heads, max_length, config.head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("k", torch.zeros(shape, dtype=storage or dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=storage or dtype, device=device), persistent=False)
         self.max_length = max_length
         self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
 
@@ -125,7 +128,7 @@ class KVCache(nn.Module):
         if length > 1 and start > 0:  # additive, built once per forward rather than converted in every layer
             rows = torch.arange(start, self.end, device=self.k.device)[:, None]
             hidden = torch.arange(self.end, device=self.k.device)[None, :] > rows
-            self.mask = torch.zeros(hidden.shape, dtype=self.k.dtype, device=self.k.device).masked_fill_(hidden, float("-inf"))
+            self.mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.k.device).masked_fill_(hidden, float("-inf"))
 
     def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """qk: (B, T, H + KV, D) query heads then key heads, unrotated; v: (B, T, KV, D); x: the layer's
@@ -140,6 +143,8 @@ class KVCache(nn.Module):
         if T == 1:
             return decode_attention(q.view(B, self.n_kv_heads, H // self.n_kv_heads, -1), keys, values,
                                     self.mask).reshape(B, 1, -1)
+        if keys.dtype != q.dtype:  # a prompt reads a narrower cache widened (once per forward and layer)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         y = native_prefill(q, keys, values, self.start)  # the C kernel on CPUs where it measured faster
         if y is None:
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, is_causal=self.mask is None,
@@ -155,8 +160,8 @@ class BatchKVCache(KVCache):
     `rows`, so every layer attends over views of the buffers rather than gathered copies."""
 
     def __init__(self, config: LlamaConfig, max_length: int, cos: torch.Tensor, sin: torch.Tensor, batch: int = 1,
-                 dtype: torch.dtype = torch.bfloat16, device=None):
-        super().__init__(config, max_length, cos, sin, batch, dtype, device)
+                 dtype: torch.dtype = torch.bfloat16, device=None, storage: torch.dtype | None = None):
+        super().__init__(config, max_length, cos, sin, batch, dtype, device, storage)
         self.lengths = torch.zeros(batch, dtype=torch.long)  # tokens each row holds; on the CPU, read every step
         self.rows = batch
 
@@ -192,7 +197,7 @@ class BatchKVCache(KVCache):
         self.mask = None
         if int(positions.min()) + 1 < self.end:
             hidden = torch.arange(self.end, device=self.k.device)[None, :] > self.slots[:, None]
-            self.mask = torch.zeros(hidden.shape, dtype=self.k.dtype, device=self.k.device).masked_fill_(
+            self.mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.k.device).masked_fill_(
                 hidden, float("-inf"))[:, None, None, :]  # (rows, 1, 1, end): broadcast over heads
         self.lengths[: self.rows] += 1
 
@@ -274,16 +279,18 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self._rope_length = 0
+        self.cache_dtype: torch.dtype | None = None  # the dense K/V cache's dtype, when not the model's (`new_cache`)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.tok_embeddings.weight.dtype
 
     def new_cache(self, max_length: int, batch: int = 1, kind: type[KVCache] = KVCache) -> KVCache:
-        """A `kind` cache (KVCache, or BatchKVCache for independent sequences) of `batch` rows."""
+        """A `kind` cache (KVCache, or BatchKVCache for independent sequences) of `batch` rows, its K/V in
+        `cache_dtype` (None: the model's dtype)."""
         self._ensure_rope(max_length)
         return kind(self.config, max_length, self.rope_cos, self.rope_sin, batch, self.dtype,
-                    self.tok_embeddings.weight.device)
+                    self.tok_embeddings.weight.device, self.cache_dtype)
 
     def _ensure_rope(self, length: int) -> None:
         if length > self._rope_length:

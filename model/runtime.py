@@ -13,6 +13,7 @@ from .loader import LoadedModel, load_model, model_path
 from .tensor_cache import TensorCache, cache_key, default_cache_dir
 from .quant import quantize_for_decode
 from kernels import cpu_linear
+from kernels.cpu_attention import native_attention_takes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -129,6 +130,10 @@ def _prepare_decode(loaded: LoadedModel, decode_weights: str, dtype: torch.dtype
         return
     if dtype == torch.bfloat16 or (dtype == torch.float32 and cpu_linear.kernel_runs()):
         quantize_for_decode(loaded.model, bits, keep_int8=("output",), compute=compute)
+    # Nor is an fp32 model's decode kept at full precision: its dense K/V cache is bf16 where the C decode-attention
+    # kernel reads one (a step at 4K reads half the bytes; docs/benchmarks.md, session 18).
+    if dtype == torch.float32 and native_attention_takes(torch.bfloat16, loaded.config.head_dim):
+        loaded.model.cache_dtype = torch.bfloat16
 
 
 def _weights_code_hash() -> str:

@@ -149,6 +149,9 @@ def test_chat_two_turns_json(default_tokenizer, default_gguf_metadata):
 def test_info_json(default_gguf_metadata):
     from model.default_model import default_model_path
     from model.gguf_file import read_gguf
+    import torch
+
+    from kernels.cpu_attention import native_attention_takes
     from model.runtime import cpu_has_bf16
 
     out = ok(indexpool("info", "--json"))
@@ -160,8 +163,11 @@ def test_info_json(default_gguf_metadata):
     assert facts["context_length"] == 8192
     bf16 = cpu_has_bf16()  # --dtype auto: bf16 where the CPU has it, else fp32
     assert facts["dtype"] == ("bfloat16" if bf16 else "float32")
+    # an fp32 model keeps a bf16 cache where the C decode-attention kernel reads one
+    bf16_cache = bf16 or native_attention_takes(torch.bfloat16, 64)
+    assert facts["kv_cache_dtype"] == ("bfloat16" if bf16_cache else "float32")
     # K and V, 30 layers, 3 KV heads of 64, 2 bytes each in bf16 (4 in fp32).
-    assert facts["kv_cache_bytes_per_token"] == 2 * 30 * 3 * 64 * (2 if bf16 else 4)
+    assert facts["kv_cache_bytes_per_token"] == 2 * 30 * 3 * 64 * (2 if bf16_cache else 4)
     assert isinstance(facts["threads"], int) and facts["threads"] >= 1
     # Every weight of the file, the tied embedding counted once (the file stores it once).
     tensors = read_gguf(default_model_path()).tensors

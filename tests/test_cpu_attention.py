@@ -88,6 +88,22 @@ def test_kernel_equals_exact_attention(shape, dtype):
         assert error <= torch_error + 2**-9 * exact.abs().max().item()
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_fp32_queries_read_a_bf16_cache(backend, monkeypatch):
+    """An fp32 model's bf16 dense cache: the queries rounded to bf16, the result fp32 (by the kernel, or by torch's
+    attention in bf16); within the bf16 bound of the kernel test above from exact attention on the rounded queries."""
+    if backend == "auto":
+        _require_kernel()
+    monkeypatch.setenv("INDEXPOOL_KERNELS", backend)
+    q, k, v, mask = _inputs(3, 12, 4, 137, 64, [137, 5, 70], torch.float32)
+    k, v = k.bfloat16(), v.bfloat16()
+    got = cpu.decode_attention(q, k, v, mask)
+    assert got.shape == q.shape and got.dtype == torch.float32
+    exact = _exact(q.bfloat16(), k, v, mask)
+    assert (got.double() - exact).abs().max().item() <= 2**-8 * (v.float().abs().max() + exact.abs().max()).item()
+    assert torch.equal(got, cpu.decode_attention(q.bfloat16(), k, v, mask).float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_log_sum_exp(dtype):
     """With return_lse the kernel also gives the log-sum-exp of the scaled, masked logits (fp32 arithmetic on the
