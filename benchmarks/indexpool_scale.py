@@ -115,7 +115,7 @@ def worker(length: int, mode: str, decode: int, threads: int | None, options: di
         result["kv_storage"] = cache.kv_storage
         result["indexer"] = type(indexer).__name__
     else:
-        result["history_kv"] = config.kv_bytes_per_token(loaded.model.dtype)
+        result["history_kv"] = config.kv_bytes_per_token(session.cache.k.dtype)
     return result
 
 

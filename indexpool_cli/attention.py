@@ -28,7 +28,7 @@ class AttentionChoice:
     window: Annotated[int, typer.Option("--window", min=1, help="IndexPool: recent tokens always attended.")] = IndexPoolConfig.window
     sinks: Annotated[int, typer.Option("--sinks", min=0, help="IndexPool: first tokens always attended.")] = IndexPoolConfig.sinks
     sink_distance: Annotated[int, typer.Option("--sink-distance", min=0, help="IndexPool: how far back the sinks sit once far tokens are selected (a gap before the far tokens, as far as the model's context allows; 0: right before them). The default keeps them past the distance where the default model makes new attention sinks (docs/benchmarks.md).")] = IndexPoolConfig.sink_distance
-    indexer: Annotated[str, typer.Option("--indexer", help="IndexPool indexer: auto (the trained one shipped for the model when there is one: it measured better, see docs/benchmarks.md; else training-free), training-free, trained (the one shipped for the model), hybrid (the trained one chooses what the document's segments attend to, the training-free one what the question and the answer attend to), or an indexer file from `indexpool distill`.")] = "auto"
+    indexer: Annotated[str, typer.Option("--indexer", help="IndexPool indexer: auto (training-free: it measured better, see docs/benchmarks.md), training-free, trained (the one shipped for the model), hybrid (the trained one chooses what the document's segments attend to, the training-free one what the question and the answer attend to), or an indexer file from `indexpool distill`.")] = "auto"
     prune_index: Annotated[Optional[bool], typer.Option("--prune-index/--no-prune-index", help="IndexPool, training-free indexer: store the pooled index keys projected onto the directions holding 95% of each layer's key variance (calibrated once per model, ~15 s; docs/benchmarks.md has what it does to recall and speed). Default: on for the training-free indexer.")] = None
     index_dtype: Annotated[str, typer.Option("--index-dtype", help="IndexPool pooled-index storage: bf16, fp16 or fp8.")] = IndexPoolConfig.index_dtype
     kv_storage: Annotated[str, typer.Option("--kv-storage", help="IndexPool history K/V: auto (bf16 while it takes under a quarter of RAM, else int8), bf16 or int8.")] = IndexPoolConfig.kv_storage
@@ -51,8 +51,8 @@ def default_indexer(choice: AttentionChoice, loaded):
     the generated tokens, attend to; `segment_indexer` chooses for the document's segments)."""
     from model.indexers import TrainingFreeIndexer
 
-    kind = resolved_indexer_kind(choice, loaded)
-    if kind in ("training-free", "hybrid"):
+    kind = choice.indexer
+    if kind in ("auto", "training-free", "hybrid"):  # auto: the kind that measured better on retrieval (docs/benchmarks.md)
         projection = None
         if choice.prune_index is not False:  # on unless turned off: recall as whole keys, decode at 128K 17% faster
             from model.index_pruning import pruning_projection
@@ -63,21 +63,9 @@ def default_indexer(choice: AttentionChoice, loaded):
                 "calibrating the index pruning (once per model)", spinner="dots"))
         return TrainingFreeIndexer(loaded.config, choice.kpool, loaded.model.tok_embeddings.weight.device, projection)
     if choice.prune_index:
-        raise typer.BadParameter("--prune-index applies to the training-free indexer (--indexer training-free "
-                                 "or hybrid); a trained indexer has keys of its own width"
-                                 + ("; --indexer auto takes the trained one shipped for this model"
-                                    if choice.indexer == "auto" else ""))
+        raise typer.BadParameter("--prune-index applies to the training-free indexer (--indexer auto, "
+                                 "training-free or hybrid); a trained indexer has keys of its own width")
     return _lightning_indexer(kind, loaded)
-
-
-def resolved_indexer_kind(choice: AttentionChoice, loaded) -> str:
-    """--indexer with auto resolved: the trained indexer shipped for the model when there is one (it measured
-    better: recall, and passkey as good to 128K; docs/benchmarks.md), else the training-free one."""
-    from model.lightning_indexer import default_indexer_path
-
-    if choice.indexer != "auto":
-        return choice.indexer
-    return "trained" if default_indexer_path(loaded.name) is not None else "training-free"
 
 
 def segment_indexer(choice: AttentionChoice, loaded):

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from model.indexpool_cache import AttentionEvidence, IndexPoolCache
-
+from model.llama import KVCache
 from model.tensor_cache import TensorCache, cache_key
 from .console import InputError
 from .ingest import Document, Part
@@ -198,7 +198,9 @@ def session_identity(loaded, session, choice) -> dict:
         if cache.segment_indexer is not None:
             identity["segment_indexer_kind"] = type(cache.segment_indexer).__name__
     else:
-        identity.update(attention="dense", segment=session.segment, kv_dtype=str(cache.k.dtype))
+        identity.update(attention="dense", segment=session.segment)
+        if isinstance(cache, KVCache):  # an fp32 model's cache may be bf16 (`Transformer.cache_dtype`)
+            identity["kv_dtype"] = str(cache.k.dtype)
     return identity
 
 

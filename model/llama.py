@@ -207,8 +207,8 @@ class BatchKVCache(KVCache):
         qk = apply_rope(qk, self.cos, self.sin)
         q = qk[:, :, :H].transpose(1, 2)
         rows = torch.arange(B, device=self.k.device)
-        self.k[layer, rows, :, self.slots] = qk[:, 0, H:]
-        self.v[layer, rows, :, self.slots] = v[:, 0]
+        self.k[layer, rows, :, self.slots] = qk[:, 0, H:].to(self.k.dtype)  # an index put does not convert
+        self.v[layer, rows, :, self.slots] = v[:, 0].to(self.v.dtype)
         keys, values = self.k[layer, :B, :, : self.end], self.v[layer, :B, :, : self.end]
         return decode_attention(q.view(B, self.n_kv_heads, H // self.n_kv_heads, -1), keys, values,
                                 self.mask).reshape(B, 1, -1)

@@ -94,12 +94,9 @@ def test_prune_index_on_the_command_line(tmp_path):
     from doc_fixtures import write_planted_report
 
     report = write_planted_report(tmp_path, FACT, topics=6, lines=160)
-    out = json.loads(ok(indexpool("ask", str(report), QUESTION, "--indexer", "training-free", "--prune-index",
-                                  "--json", "--quiet", "--cache-dir", str(tmp_path / "cache"), "-n", "16")))
+    out = json.loads(ok(indexpool("ask", str(report), QUESTION, "--prune-index", "--json", "--quiet",
+                                  "--cache-dir", str(tmp_path / "cache"), "-n", "16")))
     assert "41729" in out["text"] and out["sources"]
     refused = indexpool("ask", str(report), QUESTION, "--prune-index", "--indexer", "trained")  # a usage error
     assert refused.returncode == 2 and b"Traceback" not in refused.stderr
     assert b"--prune-index applies to the training-free indexer" in refused.stderr
-    # --indexer auto takes the trained indexer shipped for the default model, so pruning is refused there too
-    refused = indexpool("ask", str(report), QUESTION, "--prune-index")
-    assert refused.returncode == 2 and b"--indexer auto takes the trained one" in refused.stderr

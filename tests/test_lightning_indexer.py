@@ -22,7 +22,6 @@ from model.indexer_training import (
 )
 from model.indexpool import fp8_dequantize, fp8_quantize, pool_keys, score_pools
 from model.lightning_indexer import (
-    SHIPPED,
     LightningIndexer,
     LightningIndexerConfig,
     ModelFingerprint,
@@ -157,19 +156,6 @@ def test_the_shipped_indexer_fits_the_default_model():
     assert shipped is not None and shipped.stat().st_size < 5_000_000
     indexer = LightningIndexer.load(shipped, model=fingerprint)
     assert (indexer.kpool, indexer.key_dim, indexer.ape.shape) == (4, 32, (30, 4, 32))
-
-
-def test_indexer_auto_takes_the_shipped_trained_indexer_when_there_is_one():
-    from types import SimpleNamespace
-
-    from indexpool_cli.attention import AttentionChoice, resolved_indexer_kind
-
-    default = SimpleNamespace(name=next(iter(SHIPPED)))
-    other = SimpleNamespace(name="some other model")
-    assert resolved_indexer_kind(AttentionChoice(), default) == "trained"
-    assert resolved_indexer_kind(AttentionChoice(), other) == "training-free"
-    for kind in ("training-free", "trained", "hybrid", "my.lightning.safetensors"):
-        assert resolved_indexer_kind(AttentionChoice(indexer=kind), default) == kind
 
 
 def test_sparse_pattern_candidates():
