@@ -685,6 +685,7 @@ def info(
         facts["notes"] = m.load_notes
         _print_facts(facts, run.json_out)
         return
+    kv_dtype = m.cache_dtype or m.dtype  # the dense cache's (`Transformer.new_cache`)
     facts |= {
         "context_length": cfg.context_length,
         "layers": cfg.n_layers,
@@ -693,11 +694,11 @@ def info(
         "kv_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size,
-        "kv_cache_dtype": str(m.cache_dtype or m.dtype).removeprefix("torch."),
-        "kv_cache_bytes_per_token": cfg.kv_bytes_per_token(m.cache_dtype or m.dtype),
+        "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
+        "kv_cache_bytes_per_token": cfg.kv_bytes_per_token(kv_dtype),
         "decode_weights": "+".join(f"int{b}" for b in sorted({q.bits for q in m.modules() if isinstance(q, DecodeQuantLinear)})) or "same as dtype",
         "decode_linear": decode_weights_path(m),
-        "decode_attention": decode_attention_path(next(m.parameters()).device, m.cache_dtype or m.dtype, cfg.head_dim),
+        "decode_attention": decode_attention_path(next(m.parameters()).device, kv_dtype, cfg.head_dim),
         "prefill_attention": prefill_attention_path(next(m.parameters()).device, m.dtype, cfg.head_dim),
     }
     facts.update(_indexpool_bytes(loaded))

@@ -225,8 +225,8 @@ class Session:
                 break
             # The last token allowed is fed too, so that the session holds it for a next turn; its attention picks
             # no token of this answer, so it adds no evidence (`generate_branches` stops before it).
-            evidence = getattr(self.cache, "evidence", None)
-            if stats.new_tokens == max_new_tokens and evidence is not None:
+            evidence = getattr(self.cache, "evidence", None) if stats.new_tokens == max_new_tokens else None
+            if evidence is not None:
                 self.cache.evidence = None
             try:
                 logits = self.model(token.view(1, 1), len(self.tokens), self.cache)[:, -1]
