@@ -699,6 +699,7 @@ def info(
         "decode_weights": "+".join(f"int{b}" for b in sorted({q.bits for q in m.modules() if isinstance(q, DecodeQuantLinear)})) or "same as dtype",
         "decode_linear": decode_weights_path(m),
         "decode_attention": decode_attention_path(next(m.parameters()).device, kv_dtype, cfg.head_dim),
+        "decode_step": m.decode_step_path(),
         "prefill_attention": prefill_attention_path(next(m.parameters()).device, m.dtype, cfg.head_dim),
     }
     facts.update(_indexpool_bytes(loaded))

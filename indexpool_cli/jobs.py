@@ -193,7 +193,8 @@ def session_identity(loaded, session, choice) -> dict:
         identity.update(attention="indexpool", kpool=settings.kpool, topk=settings.topk, window=settings.window,
                         sinks=settings.sinks, sink_gap=cache.sink_gap, segment=settings.segment,
                         index_dtype=settings.index_dtype,
-                        kv_storage=cache.kv_storage, indexer=choice.indexer, indexer_kind=type(cache.indexer).__name__,
+                        kv_storage=cache.kv_storage, kv_dtype=str(cache.store.k.dtype), indexer=choice.indexer,
+                        indexer_kind=type(cache.indexer).__name__,
                         index_dims=cache.indexer.key_dim, indexer_sources=cache.sources)
         if cache.segment_indexer is not None:
             identity["segment_indexer_kind"] = type(cache.segment_indexer).__name__

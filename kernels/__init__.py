@@ -10,7 +10,9 @@ Public ops (tensor in, tensor out; each picks its path with `kernel_backend`):
 Each has a `*_reference` twin in plain torch, which is also the CPU path.
 
 `kernels.cpu_attention` (imported on its own, no Triton) is the CPU side: decode and prefill attention in C,
-compiled on first use, next to their torch reference; INDEXPOOL_KERNELS=torch turns them off too.
+compiled on first use, next to their torch reference; `kernels.cpu_linear` the int4/int8 linear layers with fp32
+activations, and `kernels.cpu_decode` a whole decode step's layers in one C call around those two;
+INDEXPOOL_KERNELS=torch turns them off too.
 
 `kernels.kda` (imported on its own, no Triton until its Triton path runs) is glm5_next's KDA linear attention,
 `kda_recurrent` (decode) and `kda_chunked` (prefill): flash-linear-attention's kernels on the Triton backend.

@@ -63,7 +63,7 @@ from .indexpool import FP8_DTYPE, PooledIndexCache, indexer_source_layers, layer
 from .llama import LlamaConfig, apply_rope, inverse_frequencies, rope_at
 
 INDEX_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8_DTYPE}
-KV_STORAGE = ("auto", "bf16", "int8")
+KV_STORAGE = ("auto", "bf16", "int8", "full")
 
 
 @dataclass
@@ -80,7 +80,8 @@ class IndexPoolConfig:
     segment_queries: int = 32  # scored by this many of them (evenly spaced; `IndexPoolCache._block_pools`)
     segment_candidates: int = 2048  # among the pools the block's mean query scores best, when there are more
     index_dtype: str = "bf16"  # pooled index storage: bf16, fp16 or fp8 (e4m3, one scale per pooled key)
-    kv_storage: str = "auto"  # history K/V: bf16, int8, or auto (bf16 while it takes under a quarter of RAM)
+    # history K/V: bf16, int8, full (the model's dtype), or auto (bf16 while it takes under a quarter of RAM)
+    kv_storage: str = "auto"
     offload_dir: str | None = None  # keep history K/V in a memory-mapped file in this directory
     schedule: Sequence[str] | None = ("full", "shared")  # a pattern repeated over the layers; None: all full
 
@@ -143,18 +144,31 @@ def _allocate(shape: tuple[int, ...], dtype: torch.dtype, directory: str | None,
         os.unlink(path)
 
 
+def history_dtype(storage: str, compute_dtype: torch.dtype, backend: str) -> torch.dtype:
+    """The dtype a history store of this kind holds: int8; "full", the compute dtype; "bf16", the compute dtype
+    where that has 16 bits, and bf16 for an fp32 model on the torch backend (a CPU), which reads it widened: half
+    the bytes of fp32, and the C decode kernel reads it as it lies. (An fp32 model on Triton keeps fp32: its kernels
+    take the query's dtype.)"""
+    if storage == "int8":
+        return torch.int8
+    if storage == "full" or compute_dtype.itemsize == 2 or backend != "torch":
+        return compute_dtype
+    return torch.bfloat16
+
+
 class HistoryStore:
-    """Un-rotated K and V of every token, (n_layers, max_tokens, kv_heads * head_dim), bf16 or int8.
+    """Un-rotated K and V of every token, (n_layers, max_tokens, kv_heads * head_dim), in `history_dtype`: 16 bits,
+    the compute dtype, or int8.
 
     int8 keeps one absmax scale per token and KV head (fp32), so each head's vector is quantized on its own range.
+    Reads give the compute dtype.
     """
 
-    def __init__(self, n_layers: int, max_tokens: int, kv_heads: int, head_dim: int, storage: str,
+    def __init__(self, n_layers: int, max_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  compute_dtype: torch.dtype, directory: str | None = None, device=None):
         self.kv_heads, self.head_dim, self.compute_dtype = kv_heads, head_dim, compute_dtype
-        self.quantized = storage == "int8"
+        self.quantized = dtype == torch.int8
         shape = (n_layers, max_tokens, kv_heads * head_dim)
-        dtype = torch.int8 if self.quantized else compute_dtype
         self.k, self.v = (_allocate(shape, dtype, directory, device) for _ in range(2))
         if self.quantized:
             self.k_scale, self.v_scale = (torch.empty(n_layers, max_tokens, kv_heads, device=device) for _ in range(2))
@@ -183,7 +197,7 @@ class HistoryStore:
     def _read(self, values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         values = values.unflatten(-1, (self.kv_heads, self.head_dim))
         if scale is None:
-            return values
+            return values.to(self.compute_dtype)
         return (values.float() * scale[..., None]).to(self.compute_dtype)
 
     def gather(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,15 +223,16 @@ class HistoryStore:
         return self._read(self.k[layer, start:end], scales[0]), self._read(self.v[layer, start:end], scales[1])
 
 
-def choose_kv_storage(setting: str, max_tokens: int, config: LlamaConfig, dtype: torch.dtype) -> str:
-    """auto: the compute dtype while the history K/V takes under a quarter of the machine's memory, else int8."""
+def choose_kv_storage(setting: str, max_tokens: int, config: LlamaConfig, dtype: torch.dtype, backend: str) -> str:
+    """auto: "bf16" while the history K/V takes under a quarter of the machine's memory, else int8."""
     if setting != "auto":
         return setting
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         memory = 16 << 30
-    return "int8" if max_tokens * config.kv_bytes_per_token(dtype) > memory // 4 else "bf16"
+    stored = history_dtype("bf16", dtype, backend)
+    return "int8" if max_tokens * config.kv_bytes_per_token(stored) > memory // 4 else "bf16"
 
 
 class IndexPoolCache:
@@ -235,8 +250,10 @@ class IndexPoolCache:
         self.context_length = config.context_length
         self.sink_gap = settings.sink_gap(config.context_length)
         n_layers = config.n_layers
-        self.kv_storage = choose_kv_storage(settings.kv_storage, max_length, config, dtype)
-        self.store = HistoryStore(n_layers, max_length, config.n_kv_heads, config.head_dim, self.kv_storage, dtype,
+        self.backend = kernel_backend(device or "cpu")
+        self.kv_storage = choose_kv_storage(settings.kv_storage, max_length, config, dtype, self.backend)
+        self.store = HistoryStore(n_layers, max_length, config.n_kv_heads, config.head_dim,
+                                  history_dtype(self.kv_storage, dtype, self.backend), dtype,
                                   settings.offload_dir, device)
         self.sources = indexer_source_layers(layer_schedule(settings.schedule, n_layers))
         # Layers with a "shared" indexer never score, so the pooled index holds the "full" ones only.
@@ -263,7 +280,6 @@ class IndexPoolCache:
         self.on_select: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
         self.evidence: AttentionEvidence | None = None  # set to learn where short forwards (a question, an answer) look
         self.shared_selection = False  # set for forwards whose queries share one selection however short they are
-        self.backend = kernel_backend(self.inv_freq.device)
 
     def bytes_per_token(self) -> dict[str, float]:
         """Bytes per token over all layers: history K/V, pooled index (amortised over a pool)."""
@@ -558,10 +574,14 @@ def far_attention(store: HistoryStore, layer: int, q: torch.Tensor, far: torch.T
     rotates the keys itself (rope: fp32 cos and signed sin, (N, D) or (B, N, D)); else they are gathered and rotated
     in the cache dtype (rotation: cos and signed sin broadcastable to the gathered (B, N, KV, D)). mask: additive
     (B, 1, 1, N), or None."""
-    native = None if store.quantized else native_attention(q, *store.heads(layer), mask, return_lse=True, index=far,
-                                                           rope=rope, return_probs=with_probs)
+    native = None
+    if not store.quantized:  # q in the store's dtype (an fp32 model's bf16 store), read as a bf16 model reads it
+        k_store, v_store = store.heads(layer)
+        native = native_attention(q.to(k_store.dtype), k_store, v_store, mask, return_lse=True, index=far, rope=rope,
+                                  return_probs=with_probs)
     if native is not None:
-        return native if with_probs else (*native, None)
+        out = native[0].to(q.dtype)
+        return (out, *native[1:]) if with_probs else (out, native[1], None)
     far_k, far_v = store.gather(layer, far)  # (B, N, KV, D)
     # In place on the freshly gathered keys: several times faster than out-of-place bf16 ops here.
     far_k = far_k.roll(q.shape[-1] // 2, -1).mul_(rotation[1]).addcmul_(far_k, rotation[0])

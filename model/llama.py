@@ -13,7 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_attention import decode_attention, native_prefill
+from kernels import cpu_decode
+from kernels.cpu_attention import decode_attention, native_attention_takes, native_prefill
+
+from .quant import DecodeQuantLinear
 
 
 @dataclass
@@ -280,6 +283,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self._rope_length = 0
         self.cache_dtype: torch.dtype | None = None  # the dense K/V cache's dtype, when not the model's (`new_cache`)
+        self._decode_layers: cpu_decode.DecodeLayers | None | bool = False  # False: not looked at yet
 
     @property
     def dtype(self) -> torch.dtype:
@@ -303,11 +307,60 @@ class Transformer(nn.Module):
         """tokens (B, T) at positions [start, start+T); returns fp32 logits (B, T, V), or (B, 1, V) for the last."""
         cache.begin(start, tokens.shape[1])
         x = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            x = layer(x, cache)
+        if tokens.shape == (1, 1) and type(cache) is KVCache and self._decodes_in_c(cache, x):
+            self._decode_layers(x.view(-1), start, cache.rope_cos[start], cache.rope_sin[start], cache.k, cache.v)
+        else:
+            for layer in self.layers:
+                x = layer(x, cache)
         if not all_logits:
             x = x[:, -1:]
         return self.output(F.rms_norm(x, (x.shape[-1],), self.norm, self.config.norm_eps)).float()
+
+    def _decodes_in_c(self, cache: KVCache, x: torch.Tensor) -> bool:
+        """Whether this one-token step of one sequence over a dense cache runs all its layers in one C call
+        (`kernels.cpu_decode`): an fp32 model whose linears all have C decode copies, a cache the attention kernel
+        reads, no autograd."""
+        if self._decode_layers is False:
+            self._decode_layers = self._decode_table()
+        return (self._decode_layers is not None and not x.requires_grad
+                and cache.k.shape[1] == 1 and native_attention_takes(cache.k.dtype, self.config.head_dim)
+                and cpu_decode.kernel_runs())
+
+    def _decode_table(self) -> cpu_decode.DecodeLayers | None:
+        """The layers as the C step reads them, or None for a model it does not take (`_not_in_c` says why)."""
+        if self._not_in_c() is not None:
+            return None
+        layers = []
+        for block in self.layers:
+            linears = (block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2)
+            layers.append({"attention_norm": block.attention_norm, "ffn_norm": block.ffn_norm}
+                          | {name: (m.qweight, m.scales if m.bits == 8 else None, m.bias, m.bits, m.weight.shape[1])
+                             for name, m in zip(("wqkv", "wo", "w13", "w2"), linears)})
+        return cpu_decode.DecodeLayers(layers, self.config.dim, self.config.n_heads, self.config.n_kv_heads,
+                                       self.config.head_dim, self.config.ffn_dim, self.config.norm_eps)
+
+    def _not_in_c(self) -> str | None:
+        """Why this model's decode steps cannot run in one C call (INDEXPOOL_KERNELS aside: read per step), or
+        None."""
+        if self.dtype != torch.float32 or self.tok_embeddings.weight.device.type != "cpu":
+            return "an fp32 model on a CPU only"
+        if self.config.qk_norm:
+            return "the C step has no q/k norm"
+        if not all(isinstance(m, DecodeQuantLinear) and m.native for block in self.layers
+                   for m in (block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2)):
+            return "the linears have no C decode copies"
+        return cpu_decode.unavailable()
+
+    def decode_step_path(self) -> str:
+        """Which code runs the layers of a one-sequence decode step over a dense cache, for `indexpool info`."""
+        why_not = self._not_in_c()
+        if why_not is None and not cpu_decode.kernel_runs():
+            why_not = "INDEXPOOL_KERNELS=torch"
+        if why_not is None and not native_attention_takes(self.cache_dtype or self.dtype, self.config.head_dim):
+            why_not = "the C attention kernel does not read this cache"
+        if why_not is not None:
+            return f"per layer (model/llama.py: {why_not})"
+        return f"all layers in one call: {cpu_decode.native_library()[1]}"
 
 
 def rope_scaling_factors(head_dim: int, theta: float, scaling: dict) -> list[float]:

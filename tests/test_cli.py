@@ -168,6 +168,11 @@ def test_info_json(default_gguf_metadata):
     assert facts["kv_cache_dtype"] == ("bfloat16" if bf16_cache else "float32")
     # K and V, 30 layers, 3 KV heads of 64, 2 bytes each in bf16 (4 in fp32).
     assert facts["kv_cache_bytes_per_token"] == 2 * 30 * 3 * 64 * (2 if bf16_cache else 4)
+    # an fp32 model with C decode copies and a cache the C attention reads decodes all its layers in one C call
+    from kernels import cpu_decode, cpu_linear
+
+    in_c = not bf16 and cpu_linear.kernel_runs() and cpu_decode.kernel_runs() and native_attention_takes(torch.bfloat16, 64)
+    assert facts["decode_step"].startswith("all layers in one call" if in_c else "per layer")
     assert isinstance(facts["threads"], int) and facts["threads"] >= 1
     # Every weight of the file, the tied embedding counted once (the file stores it once).
     tensors = read_gguf(default_model_path()).tensors

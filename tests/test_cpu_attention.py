@@ -361,7 +361,8 @@ def test_build_lands_in_the_cache_directory(fresh_build):
 def test_engine_decodes_the_same_through_the_kernel(attention, monkeypatch):
     """A tiny fp32 model (head size 32, two query rows per KV head) read past its context: each prefill and decode
     step's logits through the C kernel (dense decode steps; IndexPool's window and far parts, gathered and rotated
-    in the kernel, of forwards with at most 16 query rows) equal those of the torch path within 1e-5."""
+    in the kernel, of forwards with at most 16 query rows) equal those of the torch path within 1e-5. The IndexPool
+    history in fp32 ("full"): a bf16 one would round the kernel's queries and not the torch path's."""
     _require_kernel()
     from dataclasses import replace
 
@@ -376,7 +377,8 @@ def test_engine_decodes_the_same_through_the_kernel(attention, monkeypatch):
     prompt = prompts_for(5, [150 if attention == "indexpool" else 50])[0]
 
     def logits() -> torch.Tensor:
-        session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS) if attention == "indexpool" else None)
+        session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS, kv_storage="full")
+                          if attention == "indexpool" else None)
         steps, tokens = [session.prefill(prompt)], list(prompt)
         for _ in range(8):
             tokens.append(int(steps[-1].argmax()))

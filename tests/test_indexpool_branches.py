@@ -1,5 +1,7 @@
 """Branches: several continuations of one held document decoded as one batch must attend exactly as each would
-alone in the IndexPool cache (same selections, positions and evidence), on a tiny random fp32 model."""
+alone in the IndexPool cache (same selections, positions and evidence), on a tiny random fp32 model with its
+history kept in fp32 (`kv_storage="full"`: the default bf16 store would round the C kernel's queries and not the
+torch path's, and these tests compare the two paths' attention exactly)."""
 
 from dataclasses import replace
 
@@ -13,7 +15,7 @@ from model.indexpool_cache import AttentionEvidence, IndexPoolConfig
 from tests.test_indexpool_cache import CONFIG, prompts_for, tiny_model
 
 # A window wide enough for branches of up to 20 tokens; past the 64-token context at a 120-token document.
-SETTINGS = dict(kpool=4, topk=8, window=24, sinks=4, segment=16, query_tokens=6)
+SETTINGS = dict(kpool=4, topk=8, window=24, sinks=4, segment=16, query_tokens=6, kv_storage="full")
 
 
 def sequential_logits(model, session, prompt, forced):

@@ -139,8 +139,9 @@ class ReferenceCache:
 
 
 def run_session(model, settings, prompts, new_tokens=6, reference=False, segment_indexer=None, **cache_options):
-    """Logits of every prefill and decode step over a sequence of prompts in one session."""
-    config = IndexPoolConfig(**settings, **cache_options)
+    """Logits of every prefill and decode step over a sequence of prompts in one session. The history is kept in
+    the model's fp32 unless asked otherwise: the reference keeps it exactly."""
+    config = IndexPoolConfig(**settings, **{"kv_storage": "full"} | cache_options)
     session = Session(model, 256, attention=config, segment_indexer=segment_indexer)
     if reference:
         session.cache = ReferenceCache(CONFIG, config, session.cache.indexer, 256, segment_indexer)
@@ -209,7 +210,7 @@ def test_a_segment_indexer_chooses_for_long_forwards_only():
 def test_short_input_equals_dense_attention():
     model = tiny_model(1)
     prompt = prompts_for(3, [24])[0]  # every forward sees at most topk far tokens: all selected
-    sparse = Session(model, 64, attention=IndexPoolConfig(**SETTINGS)).prefill(prompt)
+    sparse = Session(model, 64, attention=IndexPoolConfig(**SETTINGS, kv_storage="full")).prefill(prompt)
     dense = Session(model, 64).prefill(prompt)
     torch.testing.assert_close(sparse, dense, atol=1e-5, rtol=0)
 
@@ -268,7 +269,7 @@ def test_int8_history_stays_close():
             logits.append(session.prefill(prompt))
         return logits, selections
 
-    (exact, exact_selections), (quantized, quantized_selections) = run("bf16"), run("int8")
+    (exact, exact_selections), (quantized, quantized_selections) = run("full"), run("int8")
     same = [all(map(torch.equal, a, b)) for a, b in zip(exact_selections, quantized_selections)]
     # Per-head absmax scales: each far key/value is off by at most 1/254 of its vector's range. Logits of this
     # random model span about +-3; the bound is a thirtieth of that, where both runs attend to the same tokens: a
@@ -280,6 +281,39 @@ def test_int8_history_stays_close():
         assert not torch.equal(a, b)
         if agree:
             assert (a - b).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_an_fp32_models_bf16_history_stays_close(monkeypatch, backend):
+    """An fp32 model on a CPU keeps its "bf16" (and, below a quarter of RAM, "auto") history in bf16: half the
+    bytes of "full". Each stored key and value is rounded to bf16 (2^-9 relative; the C kernel rounds the far
+    part's queries too, as a bf16 model's): about 4x finer than int8's per-head steps (test above), so the bound
+    where both attend to the same tokens is a fortieth of the logits' +-2 span, 0.05 (measured: 0.024 through the
+    C kernel, 0.013 through the torch path)."""
+    monkeypatch.setenv("INDEXPOOL_KERNELS", backend)
+    model = tiny_model(5, replace(CONFIG, head_dim=32))  # a head size the C kernel takes
+    prompts = prompts_for(9, [77, 100, 130, 161])
+
+    def run(kv_storage):
+        session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS, kv_storage=kv_storage))
+        selections, logits = [], []
+        session.cache.on_select = lambda layer, positions, far: selections[-1].append(far.clone())
+        for prompt in prompts:
+            for tokens in (prompt, prompt + [5], prompt + [5, 5]):  # a prompt, then one-token steps
+                selections.append([])
+                logits.append(session.prefill(tokens))
+        return logits, selections, session.cache
+
+    full, full_selections, full_cache = run("full")
+    rounded, rounded_selections, rounded_cache = run("auto")
+    assert rounded_cache.store.k.dtype == torch.bfloat16 and full_cache.store.k.dtype == torch.float32
+    assert rounded_cache.bytes_per_token()["history_kv"] * 2 == full_cache.bytes_per_token()["history_kv"]
+    same = [all(map(torch.equal, a, b)) for a, b in zip(full_selections, rounded_selections)]
+    assert sum(same) >= len(same) - 2
+    for a, b, agree in zip(full, rounded, same):
+        assert not torch.equal(a, b)
+        if agree:
+            assert (a - b).abs().max() < 0.05
 
 
 @pytest.mark.parametrize("kv_storage, index_dtype", [("bf16", "bf16"), ("int8", "fp8")])
@@ -380,7 +414,7 @@ def test_evidence_is_the_same_through_the_c_kernel_and_the_torch_path(monkeypatc
     found = {}
     for backend in ("auto", "torch"):
         monkeypatch.setenv("INDEXPOOL_KERNELS", backend)
-        session = Session(model, 256, attention=IndexPoolConfig(**dict(SETTINGS, query_tokens=12)))
+        session = Session(model, 256, attention=IndexPoolConfig(**dict(SETTINGS, query_tokens=12), kv_storage="full"))
         session.prefill(prompt[:115], query_tail=False)
         found[backend] = session.cache.evidence = AttentionEvidence(4, 140, local_band=3)
         with torch.no_grad():

@@ -48,10 +48,11 @@ def session_logits(monkeypatch, backend: str, model, prompt, **options) -> tuple
     return logits, selections
 
 
-@pytest.mark.parametrize("index_dtype, kv_storage", [("bf16", "bf16"), ("fp8", "int8")])
+@pytest.mark.parametrize("index_dtype, kv_storage", [("bf16", "full"), ("fp8", "int8")])
 def test_triton_path_gives_the_torch_paths_logits(monkeypatch, index_dtype, kv_storage):
     """100 tokens, past the model's 64-token context: shared segment selections, per-block selections for the
-    prompt's last tokens, remapped positions, then 4 decode steps."""
+    prompt's last tokens, remapped positions, then 4 decode steps. The history in the model's fp32 ("full": on
+    the torch path "bf16" would be bf16 for an fp32 model, on Triton fp32) or int8 on both."""
     model = tiny_model(11).to(DEVICE)
     prompt = prompts_for(21, [100])[0]
     results = {backend: session_logits(monkeypatch, backend, model, prompt, index_dtype=index_dtype,
@@ -78,7 +79,7 @@ def test_evidence_forwards_fall_back_to_the_torch_path(monkeypatch):
     evidence, logits = {}, {}
     for backend in BACKENDS:
         monkeypatch.setenv("INDEXPOOL_KERNELS", backend)
-        session = Session(model, 64, attention=IndexPoolConfig(**SETTINGS))
+        session = Session(model, 64, attention=IndexPoolConfig(**SETTINGS, kv_storage="full"))  # fp32 on both
         session.prefill(prompt[:-3], query_tail=False)  # the Triton path, on the triton backend
         evidence[backend] = session.cache.evidence = AttentionEvidence(0, 52)
         with torch.no_grad():

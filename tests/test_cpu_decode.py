@@ -1,0 +1,148 @@
+"""The whole-step C decode (kernels/cpu_decode.c) against the model's own layer code (model/llama.py), on a small
+random llama model with awkward shapes: an input width that leaves int4 rows a half pair (96, 160), three query
+heads per KV head, int4 and int8 layers mixed, with and without a qkv bias, fp32 and bf16 caches, a first token
+at position 0 and a prompt that is not a multiple of any block size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_attention, cpu_decode, cpu_linear
+from model.llama import BatchKVCache, LlamaConfig, Transformer
+from model.quant import quantize_for_decode
+
+
+def needs_kernels():
+    for name, built in (("linear", cpu_linear.native_library()), ("attention", cpu_attention.native_library()),
+                        ("decode step", cpu_decode.native_library())):
+        if built[0] is None:
+            pytest.skip(f"the C {name} kernel does not build here: {built[1]}")
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(qkv_bias: bool = False, qk_norm: bool = False, seed: int = 0) -> Transformer:
+    config = LlamaConfig(vocab_size=50, dim=96, n_layers=3, n_heads=9, n_kv_heads=3, head_dim=32, ffn_dim=160,
+                         context_length=256, qkv_bias=qkv_bias, qk_norm=qk_norm)
+    torch.manual_seed(seed)
+    model = Transformer(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):  # away from ones and zeros, so that a skipped one shows
+                parameter.copy_(torch.rand_like(parameter) + 0.5 if "norm" in name else torch.randn_like(parameter))
+    return quantize_for_decode(model.eval(), 4, keep_int8=("output", "layers.1.attention.wo", "layers.2.feed_forward.w2"))
+
+
+def decode_both_ways(model: Transformer, prompt_length: int, steps: int, cache_dtype: torch.dtype):
+    """Logits (steps, V) and the caches of `steps` one-token forwards after the same prompt, the C step's and the
+    layer code's."""
+    model.cache_dtype = cache_dtype
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_length), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, model.config.vocab_size, (steps,), generator=torch.Generator().manual_seed(2))
+    results = []
+    with torch.inference_mode():
+        for in_c in (True, False):
+            cache = model.new_cache(prompt_length + steps)
+            if prompt_length:
+                model(prompt, 0, cache)
+            logits = []
+            for i, token in enumerate(tokens.tolist()):
+                if not in_c:
+                    model._decode_layers = None  # the layer code
+                assert model._decodes_in_c(cache, torch.zeros(1)) == in_c
+                logits.append(model(torch.tensor([[token]]), prompt_length + i, cache)[0, 0])
+            model._decode_layers = False  # looked at anew next time
+            results.append((torch.stack(logits), cache))
+    return results
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+@pytest.mark.parametrize("prompt_length", [0, 37])
+def test_fp32_cache_matches_the_layer_code(one_thread, qkv_bias, prompt_length):
+    """Both compute the same fp32 operations in the same order but for the summation order of the RMSNorm's sum of
+    squares, rsqrt against 1/sqrt, exp in SiLU and fma contraction in RoPE: a few fp32 roundings per layer, each
+    within 1e-6 relative, growing through 3 layers and the output layer; measured up to 2.5e-7 of the logits' size."""
+    needs_kernels()
+    (c_logits, c_cache), (py_logits, py_cache) = decode_both_ways(tiny_model(qkv_bias), prompt_length, 6,
+                                                                  torch.float32)
+    scale = py_logits.abs().max()
+    assert (c_logits - py_logits).abs().max() <= 2e-6 * scale
+    end = prompt_length + 6
+    for c, py in ((c_cache.k, py_cache.k), (c_cache.v, py_cache.v)):
+        assert torch.allclose(c[:, :, :, :end], py[:, :, :, :end], rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_cache_matches_the_layer_code(one_thread):
+    """With a bf16 cache, keys, values and queries are rounded to bf16 on both paths; an fp32 rounding apart can put
+    a value on the other side of a bf16 rounding midpoint (one bf16 step, 2^-8 relative, apart), which then moves
+    the logits by up to that much: the bound is 2^-8 of the logits' size, as for the batch decode's bf16 cache
+    (tests/test_batch_generate.py). The cached rows differ by at most one bf16 step, and in few elements."""
+    needs_kernels()
+    if not cpu_attention.native_attention_takes(torch.bfloat16, 32):
+        pytest.skip("the C decode attention kernel does not read bf16 caches here")
+    (c_logits, c_cache), (py_logits, py_cache) = decode_both_ways(tiny_model(True), 37, 6, torch.bfloat16)
+    assert (c_logits - py_logits).abs().max() <= 2**-8 * py_logits.abs().max()
+    assert torch.equal(c_logits.argmax(-1), py_logits.argmax(-1))
+    for c, py in ((c_cache.k, py_cache.k), (c_cache.v, py_cache.v)):
+        assert c.dtype == torch.bfloat16
+        c, py = c[:, :, :, :43].float(), py[:, :, :, :43].float()
+        apart = c != py
+        assert apart.float().mean() < 0.01
+        assert ((c - py).abs()[apart] <= 2**-7 * py.abs()[apart]).all()  # one bf16 step
+
+
+def test_the_layer_code_runs_where_the_c_step_does_not(one_thread, monkeypatch):
+    needs_kernels()
+    model = tiny_model()
+    cache = model.new_cache(8)
+    x = torch.zeros(1)
+    assert model._decodes_in_c(cache, x)
+    monkeypatch.setenv("INDEXPOOL_KERNELS", "torch")
+    assert not model._decodes_in_c(cache, x) and "INDEXPOOL_KERNELS=torch" in model.decode_step_path()
+    monkeypatch.delenv("INDEXPOOL_KERNELS")
+    assert model._decodes_in_c(cache, x) and model.decode_step_path().startswith("all layers in one call")
+    assert not model._decodes_in_c(model.new_cache(8, batch=2, kind=BatchKVCache), x)
+    assert not model._decodes_in_c(cache, torch.zeros(1, requires_grad=True))
+    assert tiny_model(qk_norm=True)._decode_table() is None  # Qwen3's q/k norm: not in the C step
+    model.cache_dtype = torch.float16  # a cache the attention kernel does not read
+    assert not model._decodes_in_c(model.new_cache(8), x) and "does not read this cache" in model.decode_step_path()
+    fp32_weights = tiny_model()
+    for block in fp32_weights.layers:  # a layer without a decode copy (as with --decode-weights off)
+        block.feed_forward.w2 = torch.nn.Linear(160, 96, bias=False)
+    assert fp32_weights._decode_table() is None
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_threads_give_the_same_step_as_one(one_thread, threads):
+    """The step's threads split each linear's output rows and the KV heads (3 here: with 2 threads one takes two
+    heads, with 5 two take none); every output is computed whole by one thread, as one thread computes it: the
+    same bits."""
+    needs_kernels()
+    model = tiny_model(True)
+    (one, one_cache), _ = decode_both_ways(model, 37, 4, torch.bfloat16)
+    torch.set_num_threads(threads)
+    (many, many_cache), _ = decode_both_ways(model, 37, 4, torch.bfloat16)
+    assert torch.equal(one, many) and torch.equal(one_cache.k, many_cache.k) and torch.equal(one_cache.v, many_cache.v)
+
+
+def test_a_whole_generation_is_the_same_either_way(one_thread):
+    """Greedy decoding of 12 tokens through the session API, with the C step and with the layer code: the same
+    tokens (fp32 cache)."""
+    needs_kernels()
+    from model.generate import Sampler, SamplingParams, Session
+
+    model = tiny_model(seed=3)
+    model.cache_dtype = torch.float32
+    runs = []
+    for in_c in (True, False):
+        model._decode_layers = False if in_c else None
+        session = Session(model, 64)
+        runs.append(list(session.generate([1, 2, 3, 4, 5], Sampler(SamplingParams(temperature=0.0)), 12)))
+    assert model._decode_layers is None and runs[0] == runs[1] and len(runs[0]) == 12
