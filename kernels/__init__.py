@@ -45,6 +45,11 @@ def _triton_imports() -> bool:
     return True
 
 
+def torch_forced() -> bool:
+    """INDEXPOOL_KERNELS=torch: no C or Triton kernels anywhere (read per call, so a test or a caller may switch)."""
+    return os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() == "torch"
+
+
 def kernel_backend(device: torch.device | str) -> str:
     """"triton" or "torch" for tensors on `device`, from INDEXPOOL_KERNELS (auto: triton on CUDA when it imports)."""
     setting = os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() or "auto"

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import BACKEND_VARIABLE
+from . import BACKEND_VARIABLE, torch_forced
 from .native_build import build_native
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -115,11 +115,6 @@ def native_library() -> tuple[ctypes.CDLL | None, str]:
     return library, origin
 
 
-def _torch_forced() -> bool:
-    """INDEXPOOL_KERNELS=torch: the torch path everywhere (read per call, as `kernels.kernel_backend` reads it)."""
-    return os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() == "torch"
-
-
 def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
@@ -128,7 +123,7 @@ def decode_attention_path(device: torch.device | str, dtype: torch.dtype, head_d
     """Which code runs a decode step's attention over a cache of this dtype and head size, and why."""
     if torch.device(device).type != "cpu":
         return "torch (the C kernel is for CPUs)"
-    if _torch_forced():
+    if torch_forced():
         return f"torch ({BACKEND_VARIABLE}=torch)"
     library, origin = native_library()
     if library is None:
@@ -140,7 +135,7 @@ def decode_attention_path(device: torch.device | str, dtype: torch.dtype, head_d
 
 def native_attention_takes(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the decode kernel runs here (built, not switched off) for a CPU cache of this dtype and head size."""
-    return not _torch_forced() and _supports(dtype, head_dim)
+    return not torch_forced() and _supports(dtype, head_dim)
 
 
 @functools.cache
@@ -170,7 +165,7 @@ def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     (B, N, D), a table per batch entry."""
     B, KV, R, D = q.shape
     S = k.shape[2] if index is None else index.shape[1]
-    if q.device.type != "cpu" or _torch_forced():
+    if q.device.type != "cpu" or torch_forced():
         return None
     if R > MAX_ROWS:  # a prompt segment's rows: the prefill kernel, where it runs
         if return_probs:  # which it cannot give: the decode kernel, on chunks of rows
@@ -229,7 +224,7 @@ def prefill_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: int)
     tiles; this kernel's AVX512-BF16 dot products were measured only against the flash kernel on a CPU without
     them), head sizes 32, 64, 128, 256."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and head_dim in (32, 64, 128, 256)
-            and not _torch_forced()
+            and not torch_forced()
             and not _has_amx() and _supports(dtype, head_dim, "prefill"))
 
 
@@ -297,7 +292,7 @@ def prefill_attention_path(device: torch.device | str, dtype: torch.dtype, head_
         return native_library()[1]
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and _has_amx():
         return "torch (this CPU has AMX, which PyTorch's flash kernel uses)"
-    if (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not _torch_forced()
+    if (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not torch_forced()
             and native_library()[0] is not None and not _supports(dtype, 64, "prefill")):
         return "torch (the C prefill kernel needs AVX512-BF16)"
     return "torch"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import BACKEND_VARIABLE, cpu_attention, cpu_linear
+from . import cpu_attention, cpu_linear, torch_forced
 from .native_build import build_native
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -123,7 +123,7 @@ def unavailable() -> str | None:
 def kernel_runs() -> bool:
     """Whether the whole-step kernel runs here: built, its kernels built, and not switched off
     (INDEXPOOL_KERNELS=torch, read per call)."""
-    return os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() != "torch" and unavailable() is None
+    return not torch_forced() and unavailable() is None
 
 
 class DecodeLayers:

@@ -23,13 +23,12 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from . import BACKEND_VARIABLE
+from . import BACKEND_VARIABLE, torch_forced
 from .native_build import build_native
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
@@ -91,19 +90,14 @@ def native_library() -> tuple[ctypes.CDLL | None, str]:
     return library, origin
 
 
-def _torch_forced() -> bool:
-    """INDEXPOOL_KERNELS=torch: no C kernels (read per call, as `kernels.kernel_backend` reads it)."""
-    return os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() == "torch"
-
-
 def kernel_runs() -> bool:
     """Whether the C kernels run here (built, and not switched off by INDEXPOOL_KERNELS=torch)."""
-    return not _torch_forced() and native_library()[0] is not None
+    return not torch_forced() and native_library()[0] is not None
 
 
 def linear_path() -> str:
     """Which code would run a quantized fp32 linear layer, and why."""
-    if _torch_forced():
+    if torch_forced():
         return f"fp32 weights ({BACKEND_VARIABLE}=torch)"
     return native_library()[1]
 

@@ -262,6 +262,10 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(config)
         self.eps = config.norm_eps
 
+    def linears(self) -> tuple[nn.Module, ...]:
+        """wqkv, wo, w13, w2: the layer's linears in the order of its computation."""
+        return self.attention.wqkv, self.attention.wo, self.feed_forward.w13, self.feed_forward.w2
+
     def forward(self, x, cache):
         shape = (x.shape[-1],)
         x = x + self.attention(F.rms_norm(x, shape, self.attention_norm, self.eps), cache)
@@ -330,12 +334,10 @@ class Transformer(nn.Module):
         """The layers as the C step reads them, or None for a model it does not take (`_not_in_c` says why)."""
         if self._not_in_c() is not None:
             return None
-        layers = []
-        for block in self.layers:
-            linears = (block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2)
-            layers.append({"attention_norm": block.attention_norm, "ffn_norm": block.ffn_norm}
-                          | {name: (m.qweight, m.scales if m.bits == 8 else None, m.bias, m.bits, m.weight.shape[1])
-                             for name, m in zip(("wqkv", "wo", "w13", "w2"), linears)})
+        layers = [{"attention_norm": block.attention_norm, "ffn_norm": block.ffn_norm}
+                  | {name: (m.qweight, m.scales if m.bits == 8 else None, m.bias, m.bits, m.weight.shape[1])
+                     for name, m in zip(("wqkv", "wo", "w13", "w2"), block.linears())}
+                  for block in self.layers]
         return cpu_decode.DecodeLayers(layers, self.config.dim, self.config.n_heads, self.config.n_kv_heads,
                                        self.config.head_dim, self.config.ffn_dim, self.config.norm_eps)
 
@@ -346,8 +348,7 @@ class Transformer(nn.Module):
             return "an fp32 model on a CPU only"
         if self.config.qk_norm:
             return "the C step has no q/k norm"
-        if not all(isinstance(m, DecodeQuantLinear) and m.native for block in self.layers
-                   for m in (block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2)):
+        if not all(isinstance(m, DecodeQuantLinear) and m.native for block in self.layers for m in block.linears()):
             return "the linears have no C decode copies"
         return cpu_decode.unavailable()
 
