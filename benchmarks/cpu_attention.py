@@ -1,7 +1,8 @@
 """The C attention kernels against PyTorch on the default model's shapes (9 query heads over 3 KV heads, head size 64).
 
 Decode: one query per sequence against `--keys` cached keys, one layer at a time over 30 layers' caches, so that
-the reads come from DRAM as in a decode step. Prefill: the causal attention of one layer over `--prefill` tokens.
+the reads come from DRAM as in a decode step. Prefill: the causal attention of one layer over `--prefill` tokens, in
+one call and in `--segment`-token segments as the engine reads a prompt (PyTorch's flash kernel then takes a mask).
 Prints the median time of each side and the ratio. Run it on one core:
 
     OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python benchmarks/cpu_attention.py
@@ -32,10 +33,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=4096, help="cached keys per decode step")
     parser.add_argument("--prefill", type=int, default=4096, help="tokens of the causal prefill")
+    parser.add_argument("--segment", type=int, default=512, help="tokens a prefill segment (the engine's default)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", choices=("both", "bf16", "fp32"), default="both",
-                        help="the cache dtype(s) of the decode measurement (fp32: what an AVX2-only CPU's engine runs)")
+                        help="the dtype(s) measured (fp32: what an AVX2-only CPU's engine runs)")
     args = parser.parse_args()
 
     import torch
@@ -62,17 +64,37 @@ def main() -> None:
         read = {name: 2 * args.keys * KV * D * k.element_size() / (t / 1e3) / 1e9 for name, t in ms.items()}
         print(f"decode, {args.keys} keys, {str(dtype).removeprefix('torch.')}: torch {ms['torch']:.3f} ms a layer "
               f"({read['torch']:.1f} GB/s), C {ms['C']:.3f} ms ({read['C']:.1f} GB/s): {ms['torch'] / ms['C']:.2f}x")
-    if not prefill_kernel_runs(torch.device("cpu"), torch.bfloat16, D):
-        print("prefill: the C kernel does not run on this CPU (bf16 with AVX512-BF16 and no AMX only)")
-        return
-    T = args.prefill
-    q = torch.randn(1, KV * group, T, D).bfloat16()
-    k, v = (torch.randn(1, KV, T, D).bfloat16() for _ in range(2))
-    flash = median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 3)
-    kernel = median_seconds(lambda: native_prefill(q, k, v, 0), 3)
-    print(f"prefill, one layer, {T} tokens causal, bf16: torch {flash * 1e3:.0f} ms, C {kernel * 1e3:.0f} ms: "
-          f"{flash / kernel:.2f}x")
+    T, segment = args.prefill, args.segment
+    for dtype in dtypes[args.dtype]:
+        name = str(dtype).removeprefix("torch.")
+        if not prefill_kernel_runs(torch.device("cpu"), dtype, D):
+            print(f"prefill, {name}: the C kernel does not run on this CPU (bf16: AVX512-BF16 without AMX; fp32: AVX2 "
+                  "without AVX-512)")
+            continue
+        q = torch.randn(1, KV * group, T, D).to(dtype)
+        k, v = (torch.randn(1, KV, T, D).to(dtype) for _ in range(2))
 
+        def segments(kernel: bool) -> None:  # as the engine reads a prompt: each segment after the cached ones
+            for start in range(0, T, segment):
+                end = min(start + segment, T)
+                qs, ks, vs = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
+                if kernel:
+                    native_prefill(qs, ks, vs, start)
+                    continue
+                hidden = torch.arange(end)[None, :] > torch.arange(start, end)[:, None]
+                mask = None if start == 0 else torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
+                F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+
+        runs = {"one call, torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                "one call, C": lambda: native_prefill(q, k, v, 0),
+                f"{segment}-token segments, torch": lambda: segments(False),
+                f"{segment}-token segments, C": lambda: segments(True)}
+        ms = {label: median_seconds(run, 3) * 1e3 for label, run in runs.items()}
+        flops = 4 * KV * group * D * T * (T + 1) / 2  # q . k and the weighted values, causal
+        print(f"prefill, one layer, {T} tokens causal, {name}: " + ", ".join(
+            f"{label} {t:.0f} ms ({flops / t / 1e6:.0f} GFLOP/s)" for label, t in ms.items()))
+        print(f"  torch / C: one call {ms['one call, torch'] / ms['one call, C']:.2f}x, segments "
+              f"{ms[f'{segment}-token segments, torch'] / ms[f'{segment}-token segments, C']:.2f}x")
 
 if __name__ == "__main__":
     main()

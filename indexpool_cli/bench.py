@@ -169,7 +169,9 @@ def _worker_transformers(job):
     def prefill_time(n):
         ids = torch.tensor([_token_ids(n, vocab)])
         out = {}
-        seconds = _time(lambda: out.setdefault("o", model(ids, use_cache=True)))
+        # Logits of the last position only, as transformers' generate() asks for and as our engine computes: all
+        # of them would add a 49,152-wide output row per token (4K tokens, fp32, AVX2: 24.1 s against 19.7 s).
+        seconds = _time(lambda: out.setdefault("o", model(ids, use_cache=True, logits_to_keep=1)))
         return seconds, out["o"].past_key_values
 
     @torch.inference_mode()

@@ -1,7 +1,7 @@
 /* Attention on the CPU: a decode kernel (`decode_attention`: one query per sequence, a few query rows per KV
    head) and a prefill kernel (`prefill_attention`: a prompt segment's many rows). The decode kernel is built for
    AVX-512 or, on CPUs without it, for AVX2 with FMA (the same structure with 8-lane vectors: see the AVX2 section);
-   the prefill kernel needs AVX512-BF16 (prefill_attention_supports says where it runs).
+   the prefill kernel runs on bf16 with AVX512-BF16 and on fp32 with AVX2 (prefill_attention_supports says where).
 
    Built on first use by kernels/cpu_attention.py (cc -O3 -march=native) and called through ctypes; the torch
    reference sits next to it there.
@@ -14,7 +14,7 @@
      arithmetic on the bf16 values would give it; the softmax weights are rounded to bf16 for the sum of values, as
      torch's CPU flash attention does for bf16 inputs.
    - fp32 caches: fp32 FMAs.
-   Prefill (bf16 only): see the comment before prefill_tile. */
+   Prefill: see the comments before the two prefill_tile (fp32 in the AVX2 section, bf16 after it). */
 
 #include <immintrin.h>
 #include <math.h>
@@ -520,6 +520,158 @@ INLINE void head_bf16(const uint16_t *q, const head_keys *h, int pairs, int rows
     head_any(wide, h, pairs * 4, 1, rows, scale, s, out, lse, probs);
 }
 
+/* Prefill (fp32; AVX2 CPUs, whose fp32 engine has no bf16 dot products), flash style like the AVX512-BF16 kernel
+   below: a prompt segment's query rows in tiles (a token's query heads of one KV head are consecutive rows), keys
+   in blocks of KEY_BLOCK with a running softmax. Both products are register tiles of ROW_GROUP rows x 16 columns:
+   per element, two vectors of keys (or values) loaded and each row's scalar broadcast against them, 12 FMAs for 8
+   loads and no horizontal sums; for that each block's keys are transposed first (element d of its 32 keys
+   contiguous). A group of rows skips the blocks past the last key it sees (PyTorch's flash kernel, given a later
+   segment's mask, computes them). */
+#define PREFILL_ELEMENT 4 /* fp32 */
+#define PREFILL_TAKES(dim) ((dim) % 16 == 0 && (dim) <= MAX_CHUNKS * LANES) /* even chunks: 2 vectors a column */
+#define TILE_ROWS 48
+#define ROW_GROUP 6
+#define ROW_MULTIPLE ROW_GROUP /* a tile's rows are padded to this */
+#define KEY_BLOCK 32
+
+typedef struct {
+    float *kt;      /* per block of KEY_BLOCK keys: dim x KEY_BLOCK, the block's keys transposed */
+    float *v;       /* padded x dim: the values */
+    int64_t padded; /* keys rounded up to KEY_BLOCK */
+} prepared_head;
+
+static int prepared_alloc(prepared_head *p, int dim, int64_t padded) {
+    size_t bytes = sizeof(float) * (size_t)dim * (size_t)(padded > 0 ? padded : KEY_BLOCK);
+    p->kt = aligned_alloc(64, bytes), p->v = aligned_alloc(64, bytes), p->padded = padded;
+    return p->kt && p->v;
+}
+
+static void prepared_free(prepared_head *p) {
+    free(p->kt);
+    free(p->v);
+}
+
+/* Keys from rows 0 .. length-1 or the rows `index` lists, rotated when there are RoPE tables; zeros past length. */
+static void prepare_head(const head_keys *h, int dim, prepared_head *p) {
+    float buffer[MAX_CHUNKS * LANES];
+    for (int64_t j = 0; j < p->padded; j++) {
+        float *column = p->kt + (j / KEY_BLOCK) * dim * KEY_BLOCK + j % KEY_BLOCK, *value = p->v + j * dim;
+        if (j >= h->length) {
+            for (int d = 0; d < dim; d++) column[d * KEY_BLOCK] = 0.0f;
+            memset(value, 0, sizeof(float) * dim);
+            continue;
+        }
+        const float *key = key_f32(h, j, dim / LANES, 0, buffer);
+        for (int d = 0; d < dim; d++) column[d * KEY_BLOCK] = key[d];
+        memcpy(value, row_address(h, h->values, j, 4), sizeof(float) * dim);
+    }
+}
+
+/* One tile: `rows` query rows (q: rows x dim; rows a multiple of ROW_GROUP, the padding rows with limit 0) where
+   row r sees keys 0 .. limit[r]-1. Writes rows x dim to out and each row's log-sum-exp of its scaled logits to lse
+   (-inf where it sees nothing). */
+INLINE void prefill_tile(const float *q, const int64_t *limit, int rows, const prepared_head *h, int chunks,
+                         float scale, float *out, float *lse) {
+    const int dim = chunks * LANES, groups = rows / ROW_GROUP;
+    float logits[TILE_ROWS][KEY_BLOCK], top[TILE_ROWS], total[TILE_ROWS]; /* logits, then the block's weights */
+    float acc[TILE_ROWS * MAX_CHUNKS * LANES]; /* each row's running weighted sum of values */
+    int64_t seen[TILE_ROWS / ROW_GROUP], keys = 0; /* keys a group's rows see at most; the tile's */
+    for (int g = 0; g < groups; g++) {
+        seen[g] = 0;
+        for (int r = g * ROW_GROUP; r < (g + 1) * ROW_GROUP; r++) {
+            top[r] = -INFINITY, total[r] = 0.0f;
+            seen[g] = limit[r] > seen[g] ? limit[r] : seen[g];
+        }
+        keys = seen[g] > keys ? seen[g] : keys;
+    }
+    memset(acc, 0, sizeof(float) * rows * dim);
+    const __m256 minus = _mm256_set1_ps(-INFINITY), scaled = _mm256_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < keys; j0 += KEY_BLOCK) {
+        const float *kt = h->kt + (j0 / KEY_BLOCK) * dim * KEY_BLOCK, *values = h->v + j0 * dim;
+        for (int g = 0; g < groups; g++) { /* logits: ROW_GROUP rows x 16 keys at a time */
+            if (seen[g] <= j0) continue;
+            const float *rows_q = q + g * ROW_GROUP * dim;
+            for (int half = 0; half < KEY_BLOCK; half += 2 * LANES) {
+                __m256 dots[ROW_GROUP][2];
+                for (int i = 0; i < ROW_GROUP; i++) dots[i][0] = dots[i][1] = _mm256_setzero_ps();
+                for (int d = 0; d < dim; d++) {
+                    __m256 k0 = _mm256_loadu_ps(kt + d * KEY_BLOCK + half);
+                    __m256 k1 = _mm256_loadu_ps(kt + d * KEY_BLOCK + half + LANES);
+                    for (int i = 0; i < ROW_GROUP; i++) {
+                        __m256 b = _mm256_broadcast_ss(rows_q + i * dim + d);
+                        dots[i][0] = _mm256_fmadd_ps(b, k0, dots[i][0]);
+                        dots[i][1] = _mm256_fmadd_ps(b, k1, dots[i][1]);
+                    }
+                }
+                for (int i = 0; i < ROW_GROUP; i++) {
+                    _mm256_storeu_ps(logits[g * ROW_GROUP + i] + half, _mm256_mul_ps(dots[i][0], scaled));
+                    _mm256_storeu_ps(logits[g * ROW_GROUP + i] + half + LANES, _mm256_mul_ps(dots[i][1], scaled));
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++) { /* running softmax: masked keys out, old sums rescaled */
+            int64_t visible = limit[r] - j0;
+            if (seen[r / ROW_GROUP] <= j0) continue;
+            if (visible <= 0) { /* its group computes this block: weights 0 */
+                memset(logits[r], 0, sizeof logits[r]);
+                continue;
+            }
+            __m256 s[KEY_BLOCK / LANES], block = minus, sum = _mm256_setzero_ps();
+            for (int c = 0; c < KEY_BLOCK / LANES; c++) {
+                s[c] = _mm256_loadu_ps(logits[r] + c * LANES);
+                if (visible < KEY_BLOCK)
+                    s[c] = _mm256_blendv_ps(minus, s[c], _mm256_castsi256_ps(lanes_below((int)visible - c * LANES)));
+                block = _mm256_max_ps(block, s[c]);
+            }
+            float block_top = reduce_max8(block), old_top = top[r];
+            float new_top = block_top > old_top ? block_top : old_top;
+            __m256 shift = _mm256_set1_ps(new_top);
+            for (int c = 0; c < KEY_BLOCK / LANES; c++) {
+                __m256 w = exp_nonpositive(_mm256_sub_ps(s[c], shift));
+                _mm256_storeu_ps(logits[r] + c * LANES, w);
+                sum = _mm256_add_ps(sum, w);
+            }
+            float correction = old_top == -INFINITY ? 0.0f : new_top == old_top ? 1.0f : expf(old_top - new_top);
+            total[r] = total[r] * correction + reduce_add8(sum);
+            top[r] = new_top;
+            if (correction != 1.0f && old_top != -INFINITY) { /* (nothing summed yet while the top was -inf) */
+                __m256 factor = _mm256_set1_ps(correction);
+                for (int c = 0; c < chunks; c++)
+                    _mm256_storeu_ps(acc + r * dim + c * LANES, _mm256_mul_ps(_mm256_loadu_ps(acc + r * dim + c * LANES), factor));
+            }
+        }
+        for (int g = 0; g < groups; g++) { /* values: ROW_GROUP rows x 16 elements at a time */
+            if (seen[g] <= j0) continue;
+            for (int c0 = 0; c0 < chunks; c0 += 2) {
+                float *a = acc + g * ROW_GROUP * dim + c0 * LANES;
+                __m256 sums[ROW_GROUP][2];
+                for (int i = 0; i < ROW_GROUP; i++)
+                    sums[i][0] = _mm256_loadu_ps(a + i * dim), sums[i][1] = _mm256_loadu_ps(a + i * dim + LANES);
+                for (int j = 0; j < KEY_BLOCK; j++) {
+                    __m256 v0 = _mm256_loadu_ps(values + j * dim + c0 * LANES);
+                    __m256 v1 = _mm256_loadu_ps(values + j * dim + c0 * LANES + LANES);
+                    for (int i = 0; i < ROW_GROUP; i++) {
+                        __m256 w = _mm256_broadcast_ss(logits[g * ROW_GROUP + i] + j);
+                        sums[i][0] = _mm256_fmadd_ps(w, v0, sums[i][0]);
+                        sums[i][1] = _mm256_fmadd_ps(w, v1, sums[i][1]);
+                    }
+                }
+                for (int i = 0; i < ROW_GROUP; i++)
+                    _mm256_storeu_ps(a + i * dim, sums[i][0]), _mm256_storeu_ps(a + i * dim + LANES, sums[i][1]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        __m256 inverse = _mm256_set1_ps(total[r] > 0.0f ? 1.0f / total[r] : 0.0f);
+        lse[r] = total[r] > 0.0f ? top[r] + logf(total[r]) : -INFINITY;
+        for (int c = 0; c < chunks; c++)
+            _mm256_storeu_ps(out + r * dim + c * LANES, _mm256_mul_ps(_mm256_loadu_ps(acc + r * dim + c * LANES), inverse));
+    }
+}
+
+/* A tile's result row to the output (fp32: as it is). */
+INLINE void store_output_row(void *o, const float *row, int dim) { memcpy(o, row, sizeof(float) * dim); }
+
 #define DECODE_BF16 /* bf16 caches: widened to fp32, no AVX512-BF16 needed */
 #endif
 
@@ -556,19 +708,37 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
    logits are outer products: each query pair of elements broadcast against 16 keys' pairs, so a block's 32 logits
    per row come out as two vectors with no horizontal sums. For that the head's keys are first transposed into
    pairs (pair p of key j at kt[p * padded + j]) and its values interleaved two keys at a time (as in head_bf16). */
+#define PREFILL_ELEMENT 2 /* bf16 */
+#define PREFILL_TAKES(dim) ((dim) == 32 || (dim) == 64 || (dim) == 128 || (dim) == 256)
 #define TILE_ROWS 64
+#define ROW_MULTIPLE 8 /* a tile's rows are padded to this */
 #define KEY_BLOCK 32
 
 typedef struct {
-    const uint32_t *kt;     /* pairs x padded: key pairs, transposed */
-    const __m512i *vint;    /* (padded / 2) x (dim / 16): two keys' values interleaved */
-    int64_t padded;         /* keys rounded up to KEY_BLOCK */
+    uint32_t *kt;     /* pairs x padded: key pairs, transposed */
+    __m512i *vint;    /* (padded / 2) x (dim / 16): two keys' values interleaved */
+    int64_t padded;   /* keys rounded up to KEY_BLOCK */
 } prepared_head;
+
+static int prepared_alloc(prepared_head *p, int dim, int64_t padded) {
+    p->kt = aligned_alloc(64, sizeof(uint32_t) * (size_t)(dim / 2) * (padded > 0 ? padded : KEY_BLOCK));
+    p->vint = aligned_alloc(64, sizeof(__m512i) * (size_t)(padded / 2 + 1) * (dim / LANES));
+    p->padded = padded;
+    return p->kt && p->vint;
+}
+
+static void prepared_free(prepared_head *p) {
+    free(p->kt);
+    free(p->vint);
+}
 
 /* Transposes a head's keys into pairs and interleaves its values (see above); keys come from rows 0 .. length-1
    or the rows `index` lists, rotated first when there are RoPE tables (rotate; rounded to bf16 once). */
-static void prepare_head(const head_keys *h, int dim, uint32_t *kt, __m512i *vint, int64_t padded) {
+static void prepare_head(const head_keys *h, int dim, prepared_head *prepared) {
     int pairs = dim / 2, chunks = dim / LANES;
+    uint32_t *kt = prepared->kt;
+    __m512i *vint = prepared->vint;
+    int64_t padded = prepared->padded;
     for (int64_t j = 0; j < padded; j++) {
         if (j >= h->length) {
             for (int p = 0; p < pairs; p++) kt[p * padded + j] = 0;
@@ -686,98 +856,113 @@ INLINE void prefill_tile(const uint32_t *q, const int64_t *limit, int rows, cons
     }
 }
 
-/* The tile function with its loop bounds fixed for the head sizes models use (64, 128), and one for any size. */
-typedef void (*tile_function)(const uint32_t *, const int64_t *, int, const prepared_head *, int, float, float *,
+/* A tile's result row to the output, rounded to bf16. */
+INLINE void store_output_row(void *o, const float *row, int dim) {
+    for (int d = 0; d < dim; d++) ((uint16_t *)o)[d] = float_to_bf16(row[d]);
+}
+#endif
+
+#ifdef PREFILL_ELEMENT
+/* The tile function with its loop bounds fixed for the head sizes models use (64, 128), and one for any size;
+   q: the tile's query rows in the kernel's element type. */
+typedef void (*tile_function)(const void *, const int64_t *, int, const prepared_head *, int, float, float *,
                               float *);
 #define TILE_VARIANT(NAME, CHUNKS)                                                                                 \
-    static void NAME(const uint32_t *q, const int64_t *limit, int rows, const prepared_head *h, int chunks,       \
+    static void NAME(const void *q, const int64_t *limit, int rows, const prepared_head *h, int chunks,           \
                      float scale, float *out, float *lse) {                                                      \
         (void)chunks;                                                                                            \
         prefill_tile(q, limit, rows, h, CHUNKS, scale, out, lse);                                                \
     }
-TILE_VARIANT(prefill_tile_d64, 4)
-TILE_VARIANT(prefill_tile_d128, 8)
+TILE_VARIANT(prefill_tile_d64, 64 / LANES)
+TILE_VARIANT(prefill_tile_d128, 128 / LANES)
 TILE_VARIANT(prefill_tile_any, chunks)
 #endif
 
-/* Attention of many query rows (a prompt segment), bf16. For batch entry b and KV head h, query t of head g of
-   its group is at q + b*q_batch + h*q_kv + g*q_head + t*q_token (dim contiguous; out and lse alike, lse may be
-   NULL); only the queries [first, end) of `tokens` are computed (threads share a segment). The keys: `keys`
-   slots per batch entry, row j of k/v (strides kv_batch, kv_head, kv_token) or, with index (batch, keys), the row
-   it lists; rotated by RoPE tables (keys x dim per batch entry, rope_stride apart) when given. causal_start >= 0:
-   query t sees slots 0 .. causal_start + t; else every slot. dim 32, 64, 128 or 256. Returns 0, or -1 for what it
-   does not take or when memory runs out. */
-int prefill_attention(const uint16_t *q, uint16_t *out, float *lse, const uint16_t *k, const uint16_t *v,
-                      const int64_t *index, const float *rope_cos, const float *rope_sin, int batch, int kv_heads,
+/* Whether prefill_attention runs here for this element size and head size: bf16 with AVX512-BF16, fp32 on CPUs
+   with AVX2 but not AVX-512 (where it was measured against PyTorch's flash kernel; an fp32 engine on an AVX-512 CPU
+   keeps PyTorch's). A query rather than a trial call: prefill_attention's -1 also means arguments it does not take
+   or memory running out, so a failed call could not tell "never here" from "not this time"; and the caller learns
+   it before preparing anything. (The symbol itself is always there, returning -1 where it cannot run, for the
+   loader to bind.) */
+int prefill_attention_supports(int element_size, int dim) {
+#ifdef PREFILL_ELEMENT
+    return element_size == PREFILL_ELEMENT && PREFILL_TAKES(dim);
+#else
+    (void)element_size, (void)dim;
+    return 0;
+#endif
+}
+
+/* Attention of many query rows (a prompt segment), element_size 2 (bf16, AVX512-BF16) or 4 (fp32, AVX2: see
+   prefill_attention_supports). For batch entry b and KV head h, query t of head g of its group is at
+   q + b*q_batch + h*q_kv + g*q_head + t*q_token elements (dim contiguous; out and lse alike, lse may be NULL); only
+   the queries [first, end) of `tokens` are computed (threads share a segment). The keys: `keys` slots per batch
+   entry, row j of k/v (strides kv_batch, kv_head, kv_token) or, with index (batch, keys), the row it lists;
+   rotated by RoPE tables (keys x dim per batch entry, rope_stride apart) when given. causal_start >= 0: query t
+   sees slots 0 .. causal_start + t; else every slot. Returns 0, or -1 for what it does not take or when memory
+   runs out. */
+int prefill_attention(const void *q, void *out, float *lse, const void *k, const void *v, const int64_t *index,
+                      const float *rope_cos, const float *rope_sin, int element_size, int batch, int kv_heads,
                       int group, int dim, int64_t tokens, int64_t first, int64_t end, int64_t keys,
                       int64_t causal_start, int64_t rope_stride, int64_t q_batch, int64_t q_kv, int64_t q_head,
                       int64_t q_token, int64_t o_batch, int64_t o_kv, int64_t o_head, int64_t o_token,
                       int64_t l_batch, int64_t l_kv, int64_t l_head, int64_t l_token, int64_t kv_batch,
                       int64_t kv_head, int64_t kv_token, float scale) {
-#ifndef __AVX512BF16__
+#ifndef PREFILL_ELEMENT
+    (void)q, (void)out, (void)lse, (void)k, (void)v, (void)index, (void)rope_cos, (void)rope_sin, (void)element_size;
+    (void)batch, (void)kv_heads, (void)group, (void)dim, (void)tokens, (void)first, (void)end, (void)keys;
+    (void)causal_start, (void)rope_stride, (void)q_batch, (void)q_kv, (void)q_head, (void)q_token, (void)o_batch;
+    (void)o_kv, (void)o_head, (void)o_token, (void)l_batch, (void)l_kv, (void)l_head, (void)l_token, (void)kv_batch;
+    (void)kv_head, (void)kv_token, (void)scale;
     return -1;
 #else
-    if (dim % 32 || dim > 256 || LANES % (dim / LANES) || group < 1 || group > TILE_ROWS || first < 0 ||
+    if (!prefill_attention_supports(element_size, dim) || group < 1 || group > TILE_ROWS || first < 0 ||
         end > tokens || first > end || keys < 0 || (rope_cos && !rope_sin))
         return -1;
-    int64_t padded = (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
-    uint32_t *kt = aligned_alloc(64, sizeof(uint32_t) * (size_t)(dim / 2) * (padded > 0 ? padded : KEY_BLOCK));
-    __m512i *vint = aligned_alloc(64, sizeof(__m512i) * (size_t)(padded / 2 + 1) * (dim / LANES));
-    if (!kt || !vint) {
-        free(kt);
-        free(vint);
+    prepared_head head;
+    if (!prepared_alloc(&head, dim, (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK)) {
+        prepared_free(&head);
         return -1;
     }
-    int tile_tokens = TILE_ROWS / group;
+    const int tile_tokens = TILE_ROWS / group;
+    const size_t row_bytes = (size_t)PREFILL_ELEMENT * dim;
     tile_function tile = dim == 64 ? prefill_tile_d64 : dim == 128 ? prefill_tile_d128 : prefill_tile_any;
-    uint32_t query[TILE_ROWS * 128];
+    float query[TILE_ROWS * 256] __attribute__((aligned(64))); /* the tile's rows, in the kernel's element type */
     int64_t limit[TILE_ROWS];
     float result[TILE_ROWS * 256], row_lse[TILE_ROWS];
     for (int b = 0; b < batch; b++)
         for (int h = 0; h < kv_heads; h++) {
-            head_keys source = {k + b * kv_batch + h * kv_head, v + b * kv_batch + h * kv_head, kv_token, keys,
+            int64_t source_head = (int64_t)b * kv_batch + (int64_t)h * kv_head;
+            head_keys source = {(const char *)k + source_head * PREFILL_ELEMENT,
+                                (const char *)v + source_head * PREFILL_ELEMENT, kv_token, keys,
                                 index ? index + (int64_t)b * keys : NULL, rope_cos ? rope_cos + b * rope_stride : NULL,
                                 rope_sin ? rope_sin + b * rope_stride : NULL, NULL};
-            prepare_head(&source, dim, kt, vint, padded);
-            prepared_head head = {kt, vint, padded};
+            prepare_head(&source, dim, &head);
             for (int64_t t0 = first; t0 < end; t0 += tile_tokens) {
                 int n = end - t0 < tile_tokens ? (int)(end - t0) : tile_tokens;
-                int rows = (n * group + 7) / 8 * 8;
+                int rows = (n * group + ROW_MULTIPLE - 1) / ROW_MULTIPLE * ROW_MULTIPLE;
                 for (int r = 0; r < rows; r++) {
                     int64_t t = t0 + r / group, seen = causal_start < 0 ? keys : causal_start + t + 1;
+                    char *row = (char *)query + r * row_bytes;
                     if (r < n * group) {
-                        memcpy(query + r * (dim / 2), q + b * q_batch + h * q_kv + (r % group) * q_head + t * q_token,
-                               sizeof(uint16_t) * dim);
+                        int64_t at = b * q_batch + h * q_kv + (r % group) * q_head + t * q_token;
+                        memcpy(row, (const char *)q + at * PREFILL_ELEMENT, row_bytes);
                         limit[r] = seen < keys ? seen : keys;
                     } else {
-                        memset(query + r * (dim / 2), 0, sizeof(uint16_t) * dim);
+                        memset(row, 0, row_bytes);
                         limit[r] = 0;
                     }
                 }
                 tile(query, limit, rows, &head, dim / LANES, scale, result, row_lse);
                 for (int r = 0; r < n * group; r++) {
                     int64_t t = t0 + r / group, g = r % group;
-                    uint16_t *o = out + b * o_batch + h * o_kv + g * o_head + t * o_token;
-                    for (int d = 0; d < dim; d++) o[d] = float_to_bf16(result[r * dim + d]);
+                    int64_t at = b * o_batch + h * o_kv + g * o_head + t * o_token;
+                    store_output_row((char *)out + at * PREFILL_ELEMENT, result + r * dim, dim);
                     if (lse) lse[b * l_batch + h * l_kv + g * l_head + t * l_token] = row_lse[r];
                 }
             }
         }
-    free(kt);
-    free(vint);
-    return 0;
-#endif
-}
-
-/* Whether prefill_attention runs here for this element size and head size: bf16 with AVX512-BF16 only. A query
-   rather than a trial call: prefill_attention's -1 also means arguments it does not take or memory running out, so
-   a failed call could not tell "never here" from "not this time"; and the caller learns it before preparing
-   anything. (The symbol itself is always there, returning -1 where it cannot run, for the loader to bind.) */
-int prefill_attention_supports(int element_size, int dim) {
-#ifdef __AVX512BF16__
-    return element_size == 2 && (dim == 32 || dim == 64 || dim == 128 || dim == 256);
-#else
-    (void)element_size, (void)dim;
+    prepared_free(&head);
     return 0;
 #endif
 }

@@ -5,11 +5,15 @@ about a quarter of the memory bandwidth one core has on the AVX512-BF16 CPU meas
 half of a decode step (docs/benchmarks.md). The decode kernel reads each cached key and value once for all the
 query heads of its KV head (and for IndexPool gathers the selected tokens and rotates their keys itself, and gives
 each query row's attention probabilities, which `ask` points at its sources with). The
-prefill kernel computes a prompt segment's attention with bf16 dot products laid out as outer products, about twice
-as fast as PyTorch's flash kernel on that CPU; it runs only where that was measured: bf16 without AMX.
+prefill kernel computes a prompt segment's attention flash style, its products laid out as outer products: with
+bf16 dot products about twice as fast as PyTorch's flash kernel on an AVX512-BF16 CPU without AMX; with fp32 FMAs
+on an AVX2 CPU, one thread, 1.24x as fast as the flash kernel over a 4K prompt read in 512-token segments (it
+skips the key blocks a segment's mask hides, which the flash kernel computes). It runs only where it measured
+faster.
 
 The decode kernel needs AVX-512, or AVX2 with FMA (fp32 and bf16 caches on either; bf16 widened to fp32 where
-there is no AVX512-BF16); the prefill kernel needs AVX512-BF16 (`prefill_kernel_runs`). The library is compiled on
+there is no AVX512-BF16); the prefill kernel bf16 with AVX512-BF16 or fp32 with AVX2 and no AVX-512
+(`prefill_kernel_runs`). The library is compiled on
 first use with the system's C compiler (`$CC`, else `cc`) for this CPU (`-march=native`), checked in a child
 process, and kept in the indexpool cache directory; no build step at install. Without a compiler or those
 instructions, on GPUs, or with INDEXPOOL_KERNELS=torch, the torch path runs instead; `indexpool info` says which.
@@ -33,7 +37,7 @@ SOURCE = Path(__file__).with_name("cpu_attention.c")
 MAX_ROWS = 16  # query heads per KV head, as in the C source
 # decode_attention's arguments, one letter each: p pointer, i int, q int64, f float
 SIGNATURE = "pppppp" + "iiiii" + "qqqq" + "f" + "ppp" + "q" + "p"
-PREFILL_SIGNATURE = "pppppppp" + "iiii" + "q" * 6 + "q" * 12 + "qqq" + "f"  # prefill_attention's
+PREFILL_SIGNATURE = "pppppppp" + "iiiii" + "q" * 6 + "q" * 12 + "qqq" + "f"  # prefill_attention's
 
 
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -58,42 +62,44 @@ dim, keys = 64, 37
 values = [float(j % 4) for j in range(keys) for _ in range(dim)]
 index = (ctypes.c_int64 * keys)(*range(keys))  # gathered in order, rotated by angle 0: the same attention
 cos, sin = (ctypes.c_float * (keys * dim))(*[1.0] * (keys * dim)), (ctypes.c_float * (keys * dim))()
+packs = {  # element size: (pack a list of floats, unpack bytes to floats); bf16 is the upper half of an fp32
+    4: (lambda xs: struct.pack(f"{len(xs)}f", *xs), lambda raw: struct.unpack(f"{len(raw) // 4}f", raw)),
+    2: (lambda xs: struct.pack(f"{len(xs)}H", *(struct.unpack("I", struct.pack("f", x))[0] >> 16 for x in xs)),
+        lambda raw: [struct.unpack("f", struct.pack("I", h << 16))[0] for h in struct.unpack(f"{len(raw) // 2}H", raw)]),
+}
 for size in (4, 2):
     if not lib.decode_attention_supports(size, dim):
         continue
-    if size == 4:
-        pack = lambda xs: struct.pack(f"{len(xs)}f", *xs)
-    else:  # bf16: the upper half of each fp32
-        pack = lambda xs: struct.pack(f"{len(xs)}H", *(struct.unpack("I", struct.pack("f", x))[0] >> 16 for x in xs))
+    pack, unpack = packs[size]
     q, k, v = (ctypes.create_string_buffer(pack(xs)) for xs in ([0.5] * 2 * dim, [0.25] * keys * dim, values))
     for extra in ((None, None, None, 0), (index, cos, sin, 0)):
         out, lse = ctypes.create_string_buffer(2 * dim * size), (ctypes.c_float * 2)()
         probs = (ctypes.c_float * (2 * keys))()
         status = lib.decode_attention(q, k, v, None, out, lse, size, 1, 1, 2, dim, keys, keys * dim, keys * dim, dim,
                                       dim ** -0.5, *extra, probs)
-        if size == 4:
-            got = struct.unpack(f"{2 * dim}f", out.raw)
-        else:
-            got = [struct.unpack("f", struct.pack("I", h << 16))[0] for h in struct.unpack(f"{2 * dim}H", out.raw)]
+        got = unpack(out.raw)
         mean, logit = sum(j % 4 for j in range(keys)) / keys, 0.5 * 0.25 * dim * dim ** -0.5
         if (status != 0 or any(abs(x - mean) > 1e-2 for x in got)
                 or any(abs(x - logit - math.log(keys)) > 1e-4 for x in lse)
                 or any(abs(p - 1 / keys) > 1e-6 for p in probs)):
             sys.exit(f"wrong result (element size {size}, gathered: {extra[0] is not None})")
-if lib.prefill_attention_supports(2, dim):  # prefill (AVX512-BF16 only): 3 queries at positions 34..36, 2 heads
-    lib.prefill_attention.argtypes = [types[code] for code in sys.argv[3]]
+lib.prefill_attention.argtypes = [types[code] for code in sys.argv[3]]
+for size in (4, 2):  # prefill (fp32 on AVX2, bf16 on AVX512-BF16): 3 queries at positions 34..36, 2 heads
+    if not lib.prefill_attention_supports(size, dim):
+        continue
+    pack, unpack = packs[size]
     start, tokens = keys - 3, 3
-    q = ctypes.create_string_buffer(pack([0.5] * 2 * tokens * dim))
-    out = ctypes.create_string_buffer(2 * tokens * dim * 2)
-    status = lib.prefill_attention(q, out, None, k, v, None, None, None, 1, 1, 2, dim, tokens, 0, tokens, keys,
-                                   start, 0, 2 * tokens * dim, 2 * tokens * dim, tokens * dim, dim,
+    q, k, v = (ctypes.create_string_buffer(pack(xs)) for xs in ([0.5] * 2 * tokens * dim, [0.25] * keys * dim, values))
+    out = ctypes.create_string_buffer(2 * tokens * dim * size)
+    status = lib.prefill_attention(q, out, None, k, v, None, None, None, size, 1, 1, 2, dim, tokens, 0, tokens,
+                                   keys, start, 0, 2 * tokens * dim, 2 * tokens * dim, tokens * dim, dim,
                                    2 * tokens * dim, 2 * tokens * dim, tokens * dim, dim, 0, 0, 0, 0,
                                    keys * dim, keys * dim, dim, dim ** -0.5)
-    got = [struct.unpack("f", struct.pack("I", h << 16))[0] for h in struct.unpack(f"{2 * tokens * dim}H", out.raw)]
+    got = unpack(out.raw)
     means = [sum(j % 4 for j in range(start + t + 1)) / (start + t + 1) for t in range(tokens)]
     if status != 0 or any(abs(got[(head * tokens + t) * dim + d] - means[t]) > 1e-2
                           for head in range(2) for t in range(tokens) for d in range(dim)):
-        sys.exit("wrong result (prefill)")
+        sys.exit(f"wrong result (prefill, element size {size})")
 """
 
 
@@ -141,7 +147,7 @@ def native_attention_takes(dtype: torch.dtype, head_dim: int) -> bool:
 @functools.cache
 def _supports(dtype: torch.dtype, head_dim: int, kernel: str = "decode") -> bool:
     """Whether the built library's decode (or "prefill") kernel takes this dtype and head size on this CPU (the
-    prefill kernel needs AVX512-BF16, which the decode kernel does not: C's prefill_attention_supports)."""
+    prefill kernel's instruction sets differ from the decode kernel's: C's prefill_attention_supports)."""
     library = native_library()[0]
     sizes = {torch.bfloat16: 2, torch.float32: 4}
     if library is None or dtype not in sizes:
@@ -219,13 +225,16 @@ def _in_row_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 def prefill_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `native_prefill` runs for these tensors: bf16 on a CPU with AVX512-BF16 (the library says; on an
-    AVX2 CPU only the decode kernel runs) without AMX (with AMX, PyTorch's flash kernel runs its matmuls on AMX
-    tiles; this kernel's AVX512-BF16 dot products were measured only against the flash kernel on a CPU without
-    them), head sizes 32, 64, 128, 256."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and head_dim in (32, 64, 128, 256)
-            and not torch_forced()
-            and not _has_amx() and _supports(dtype, head_dim, "prefill"))
+    """Whether `native_prefill` runs for these tensors, as the library says: bf16 on a CPU with AVX512-BF16 but
+    without AMX (with AMX, PyTorch's flash kernel runs its matmuls on AMX tiles; this kernel's AVX512-BF16 dot
+    products were measured only against the flash kernel on a CPU without them), head sizes 32, 64, 128, 256; fp32
+    on a CPU with AVX2 and no AVX-512 (where it was measured), head sizes a multiple of 16 up to 256, and only while
+    torch runs one thread: a 4K prefill of the default model took 19.8 s against 24.2 s with the flash kernel on one
+    thread, but 12.0 s against 11.3 s on two (the flash kernel splits its work over OpenMP threads better than
+    `native_prefill` splits queries over Python threads; docs/benchmarks.md)."""
+    return (device.type == "cpu" and not torch_forced() and not (dtype == torch.bfloat16 and _has_amx())
+            and not (dtype == torch.float32 and torch.get_num_threads() > 1)
+            and _supports(dtype, head_dim, "prefill"))
 
 
 @functools.cache
@@ -265,7 +274,7 @@ def native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
     def run(first: int, end: int) -> int:
         return library.prefill_attention(
             q.data_ptr(), out.data_ptr(), _pointer(lse), k.data_ptr(), v.data_ptr(), _pointer(index), _pointer(cos),
-            _pointer(sin), B, KV, group, D, T, first, end, S, -1 if start is None else start,
+            _pointer(sin), q.element_size(), B, KV, group, D, T, first, end, S, -1 if start is None else start,
             0 if rope is None or cos.dim() == 2 else S * D, *per_head(q), *per_head(out),
             *(per_head(lse) if lse is not None else (0, 0, 0, 0)), 0 if index is not None else k.stride(0),
             k.stride(1), k.stride(2), D**-0.5)
@@ -292,9 +301,12 @@ def prefill_attention_path(device: torch.device | str, dtype: torch.dtype, head_
         return native_library()[1]
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and _has_amx():
         return "torch (this CPU has AMX, which PyTorch's flash kernel uses)"
-    if (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not torch_forced()
-            and native_library()[0] is not None and not _supports(dtype, 64, "prefill")):
-        return "torch (the C prefill kernel needs AVX512-BF16)"
+    if (torch.device(device).type == "cpu" and not torch_forced() and native_library()[0] is not None
+            and not _supports(dtype, head_dim, "prefill")):
+        needs = {torch.bfloat16: "bf16 needs AVX512-BF16", torch.float32: "fp32 runs on AVX2 CPUs without AVX-512"}
+        return f"torch (the C prefill kernel: {needs.get(dtype, 'bf16 or fp32 only')}; head size {head_dim})"
+    if torch.device(device).type == "cpu" and dtype == torch.float32 and torch.get_num_threads() > 1:
+        return "torch (the fp32 C prefill kernel runs on one thread; with more, PyTorch's flash kernel measured faster)"
     return "torch"
 
 

@@ -16,6 +16,15 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (the fp32 prefill kernel runs only there), then as it was."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def default_gguf_metadata() -> dict:
     from model.default_model import default_model_path

@@ -10,6 +10,7 @@ import torch
 from kernels import cpu_attention as cpu
 from kernels import native_build
 
+
 # (batch, query heads, KV heads, keys, head size, per-sequence visible lengths or None)
 SHAPES = [
     (1, 9, 3, 4096, 64, None),  # the default model at 4K
@@ -119,11 +120,11 @@ def test_kernel_log_sum_exp(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim,R", [(64, 3), (96, 3), (64, 40), (128, 40)])
-def test_kernel_gathers_and_rotates_keys(dtype, dim, R):
+def test_kernel_gathers_and_rotates_keys(dtype, dim, R, one_thread):
     """IndexPool's far part: two query blocks, each attending to its own 37 of a 300-token store's rows (every
     other row NaN: a wrong row would show), keys rotated at per-slot angles. Against fp64 attention on the same
     rows rotated in fp64 (bf16: then rounded to bf16, as the kernel rounds its fp32 rotation; bound as above).
-    3 query rows per KV head: the decode kernel; 40 (a prompt's block): the prefill kernel (bf16 only)."""
+    3 query rows per KV head: the decode kernel; 40 (a prompt's block): the prefill kernel (where it runs)."""
     _require_kernel()
     if R > cpu.MAX_ROWS and not cpu.prefill_kernel_runs(torch.device("cpu"), dtype, dim):
         assert cpu.native_attention(*(torch.zeros(1, 1, R, dim, dtype=dtype),) * 3) is None
@@ -193,17 +194,27 @@ PREFILL_SHAPES = [  # (batch, query heads, KV heads, tokens, start, head size, t
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_prefill_kernel_equals_exact_attention(shape):
-    """The prefill kernel (bf16) against fp64 causal attention, within the bf16 bound of the decode kernel's test
+def test_prefill_kernel_equals_exact_attention(shape, dtype):
+    """The prefill kernel against fp64 causal attention. bf16: within the bf16 bound of the decode kernel's test
     and no further from exact than torch's bf16 attention plus one output rounding; its log-sum-exp within 1e-4
-    (q . k exact, fp32 sums over at most 317 keys)."""
+    (q . k exact, fp32 sums over at most 317 keys). fp32: within 1e-6 of the values' scale (8 ulps; each logit is
+    one chain of up to 256 fp32 products: head size 256 measured 1.5e-6 at values up to 4.4, torch 0.5e-6), its
+    log-sum-exp within 1e-5."""
     B, H, KV, T, start, D, threads = shape
-    if not cpu.prefill_kernel_runs(torch.device("cpu"), torch.bfloat16, D):
-        pytest.skip(f"the C prefill kernel does not run here: {cpu.prefill_attention_path('cpu', torch.bfloat16, D)}")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runs = cpu.prefill_kernel_runs(torch.device("cpu"), dtype, D)
+        why = cpu.prefill_attention_path("cpu", dtype, D)
+    finally:
+        torch.set_num_threads(previous)
+    if not runs:
+        pytest.skip(f"the C prefill kernel does not run here: {why}")
     generator = torch.Generator().manual_seed(T + start)
-    q = torch.randn(B, T, H + 2 * KV, D, generator=generator).bfloat16()[:, :, :H].transpose(1, 2)  # as the engine
-    k, v = (torch.randn(B, KV, start + T + 9, D, generator=generator).bfloat16()[:, :, : start + T] for _ in range(2))
+    q = torch.randn(B, T, H + 2 * KV, D, generator=generator).to(dtype)[:, :, :H].transpose(1, 2)  # as the engine
+    k, v = (torch.randn(B, KV, start + T + 9, D, generator=generator).to(dtype)[:, :, : start + T] for _ in range(2))
     visible = torch.arange(start + T)[None, :] <= start + torch.arange(T)[:, None]
     group = H // KV
     exact = torch.nn.functional.scaled_dot_product_attention(
@@ -214,14 +225,17 @@ def test_prefill_kernel_equals_exact_attention(shape):
         got, lse = cpu.native_prefill(q, k, v, start, return_lse=True)
     finally:
         torch.set_num_threads(previous)
-    assert got.shape == (B, H, T, D) and got.dtype == torch.bfloat16
+    assert got.shape == (B, H, T, D) and got.dtype == dtype
     logits = q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2) * D**-0.5
-    torch.testing.assert_close(lse.double(), logits.masked_fill(~visible, float("-inf")).logsumexp(-1), atol=1e-4,
-                               rtol=0)
+    torch.testing.assert_close(lse.double(), logits.masked_fill(~visible, float("-inf")).logsumexp(-1),
+                               atol=1e-4 if dtype == torch.bfloat16 else 1e-5, rtol=0)
     error = (got.double() - exact).abs().max().item()
-    assert error <= 2**-8 * (v.float().abs().max() + exact.abs().max()).item()
-    torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
-    assert error <= (torch_out.double() - exact).abs().max().item() + 2**-9 * exact.abs().max().item()
+    if dtype == torch.bfloat16:
+        torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+        assert error <= 2**-8 * (v.float().abs().max() + exact.abs().max()).item()
+        assert error <= (torch_out.double() - exact).abs().max().item() + 2**-9 * exact.abs().max().item()
+    else:
+        assert error <= 1e-6 * v.abs().max().item()
 
 
 def test_kernel_runs_where_it_says_it_does():
@@ -390,13 +404,16 @@ def test_engine_decodes_the_same_through_the_kernel(attention, monkeypatch):
     torch.testing.assert_close(native, logits(), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("attention", ["dense", "indexpool"])
-def test_bf16_engine_reads_through_the_prefill_kernel(attention, monkeypatch):
-    """A tiny bf16 model (head size 32) reads a prompt (IndexPool: past its context, in 40-token segments whose
-    window, own and far parts each have more than 16 rows) through the prefill kernel: its logits are no further
-    from the same weights' fp32 logits than the torch path's, plus one bf16 rounding of the largest logit."""
-    if not cpu.prefill_kernel_runs(torch.device("cpu"), torch.bfloat16, 32):
-        pytest.skip(f"the C prefill kernel does not run here: {cpu.prefill_attention_path('cpu', torch.bfloat16, 32)}")
+def test_engine_reads_through_the_prefill_kernel(attention, dtype, monkeypatch, one_thread):
+    """A tiny model (head size 32) reads a prompt (IndexPool: past its context, in 40-token segments whose
+    window, own and far parts each have more than 16 rows) through the prefill kernel. bf16: its logits are no
+    further from the same weights' fp32 logits than the torch path's, plus one bf16 rounding of the largest logit.
+    fp32 (the history kept in fp32: a bf16 one rounds the C kernels' queries and not the torch path's): within
+    1e-5 of the torch path's, relative to the largest logit (fp32 sums in another order, 3 layers)."""
+    if not cpu.prefill_kernel_runs(torch.device("cpu"), dtype, 32):
+        pytest.skip(f"the C prefill kernel does not run here: {cpu.prefill_attention_path('cpu', dtype, 32)}")
     import copy
     from dataclasses import replace
 
@@ -406,9 +423,9 @@ def test_bf16_engine_reads_through_the_prefill_kernel(attention, monkeypatch):
     from tests.test_indexpool_cache import CONFIG, prompts_for
 
     torch.manual_seed(3)
-    model = Transformer(replace(CONFIG, head_dim=32)).eval().to(torch.bfloat16)
+    model = Transformer(replace(CONFIG, head_dim=32)).eval().to(dtype)
     settings = dict(kpool=4, topk=8, window=8, sinks=4, segment=40, query_tokens=6, query_block=2, segment_block=20,
-                    segment_queries=3, segment_candidates=5)
+                    segment_queries=3, segment_candidates=5, kv_storage="full")
     prompt = prompts_for(5, [150 if attention == "indexpool" else 60])[0]
 
     def logits(model) -> torch.Tensor:
@@ -422,6 +439,9 @@ def test_bf16_engine_reads_through_the_prefill_kernel(attention, monkeypatch):
     assert calls  # the kernel ran
     monkeypatch.setenv("INDEXPOOL_KERNELS", "torch")
     torch_path = logits(model)
+    if dtype == torch.float32:
+        assert (native - torch_path).abs().max().item() <= 1e-5 * torch_path.abs().max().item()
+        return
     exact = logits(copy.deepcopy(model).float())  # the same weights, widened
     native_error, torch_error = ((t - exact).abs().max().item() for t in (native, torch_path))
     assert native_error <= torch_error + 2**-8 * exact.abs().max().item()
@@ -444,3 +464,16 @@ def _check_gathered_and_rotated(q, store, index, cos, sin, dtype):
     else:
         assert (got.double() - exact).abs().max().item() <= 2**-8 * (v.abs().max() + exact.abs().max()).item()
         torch.testing.assert_close(lse.double(), exact_lse, atol=1e-3, rtol=0)
+
+
+def test_fp32_prefill_kernel_keeps_to_one_thread(one_thread):
+    """The fp32 prefill kernel runs while torch has one thread and gives way to PyTorch's flash kernel with more
+    (measured faster there): native_prefill then returns None and `indexpool info` says why."""
+    if not cpu.prefill_kernel_runs(torch.device("cpu"), torch.float32, 64):
+        pytest.skip(f"the C prefill kernel does not run here: {cpu.prefill_attention_path('cpu', torch.float32, 64)}")
+    q, k, v = torch.randn(1, 9, 40, 64), torch.randn(1, 3, 40, 64), torch.randn(1, 3, 40, 64)
+    assert cpu.native_prefill(q, k, v, 0) is not None
+    torch.set_num_threads(2)
+    assert not cpu.prefill_kernel_runs(torch.device("cpu"), torch.float32, 64)
+    assert cpu.native_prefill(q, k, v, 0) is None
+    assert "runs on one thread" in cpu.prefill_attention_path("cpu", torch.float32, 64)

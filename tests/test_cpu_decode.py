@@ -20,14 +20,6 @@ def needs_kernels():
             pytest.skip(f"the C {name} kernel does not build here: {built[1]}")
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_model(qkv_bias: bool = False, qk_norm: bool = False, seed: int = 0) -> Transformer:
     config = LlamaConfig(vocab_size=50, dim=96, n_layers=3, n_heads=9, n_kv_heads=3, head_dim=32, ffn_dim=160,
                          context_length=256, qkv_bias=qkv_bias, qk_norm=qk_norm)
@@ -40,9 +32,12 @@ def tiny_model(qkv_bias: bool = False, qk_norm: bool = False, seed: int = 0) -> 
     return quantize_for_decode(model.eval(), 4, keep_int8=("output", "layers.1.attention.wo", "layers.2.feed_forward.w2"))
 
 
-def decode_both_ways(model: Transformer, prompt_length: int, steps: int, cache_dtype: torch.dtype):
+def decode_both_ways(model: Transformer, prompt_length: int, steps: int, cache_dtype: torch.dtype,
+                     step_threads: int | None = None):
     """Logits (steps, V) and the caches of `steps` one-token forwards after the same prompt, the C step's and the
-    layer code's."""
+    layer code's; the steps on step_threads torch threads when given (the prompt on the caller's: which prefill
+    attention runs depends on the thread count)."""
+    prompt_threads = torch.get_num_threads()
     model.cache_dtype = cache_dtype
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_length), generator=torch.Generator().manual_seed(1))
     tokens = torch.randint(0, model.config.vocab_size, (steps,), generator=torch.Generator().manual_seed(2))
@@ -50,8 +45,10 @@ def decode_both_ways(model: Transformer, prompt_length: int, steps: int, cache_d
     with torch.inference_mode():
         for in_c in (True, False):
             cache = model.new_cache(prompt_length + steps)
+            torch.set_num_threads(prompt_threads)
             if prompt_length:
                 model(prompt, 0, cache)
+            torch.set_num_threads(step_threads or prompt_threads)
             logits = []
             for i, token in enumerate(tokens.tolist()):
                 if not in_c:
@@ -127,8 +124,7 @@ def test_threads_give_the_same_step_as_one(one_thread, threads):
     needs_kernels()
     model = tiny_model(True)
     (one, one_cache), _ = decode_both_ways(model, 37, 4, torch.bfloat16)
-    torch.set_num_threads(threads)
-    (many, many_cache), _ = decode_both_ways(model, 37, 4, torch.bfloat16)
+    (many, many_cache), _ = decode_both_ways(model, 37, 4, torch.bfloat16, step_threads=threads)
     assert torch.equal(one, many) and torch.equal(one_cache.k, many_cache.k) and torch.equal(one_cache.v, many_cache.v)
 
 
