@@ -10,13 +10,16 @@
  *   in its nibble j (bits 4j .. 4j + 3). A shift and a mask then give the 8 weights k = 8j .. 8j + 7 in 8 lanes,
  *   without shuffles; the scales sit just before their nibbles.
  * linear_int8: w = q * scales[n], q int8, row n at w + n * K.
+ * linear_bf16: w bf16 (the upper half of an fp32: widened by a shift, exactly), row n at w + n * w_stride; up to
+ *   12 rows a pass (IndexPool's pool scores: 9 query heads against every pooled key, read once for all of them).
  *
  * Summation order, per output (the bounds in tests/test_cpu_linear.py follow from it): each weight is dequantized
  * to fp32 (one fma: q * scale + min, rounded once); products are accumulated by fma into 8-lane partial sums, one
- * chain per lane per accumulator (1 row: 4 accumulators, 2-4 rows: 2, 5-8 rows: 1), which are then added together
- * and across lanes. For int8 the sum of q * x is multiplied by the row's scale at the end; k past the last multiple
- * of 8 is added in scalar code.
+ * chain per lane per accumulator (1 row: 4 accumulators, 2-4 rows: 2, 5-12 rows: 1), which are then added together
+ * and across lanes. For int8 the sum of q * x is multiplied by the row's scale at the end; for int8 and bf16, k
+ * past the last multiple of 8 is added in scalar code.
  */
+#include <stddef.h>
 #include <stdint.h>
 
 #if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
@@ -26,7 +29,8 @@
 #include <immintrin.h>
 
 #define GROUP 32
-#define MAX_ROWS 8
+#define MAX_ROWS 8       /* rows a pass for int4 and int8 */
+#define MAX_BF16_ROWS 12 /* and for bf16: 12 accumulators and 4 weight vectors fill the 16 registers */
 #define PAIR_BYTES 48 /* 4 fp32 (scale, min of two blocks) and 32 bytes of nibbles */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -82,13 +86,32 @@ ALWAYS_INLINE void int4_rows(const float *x, int64_t x_stride, const uint8_t *w,
     }
 }
 
-ALWAYS_INLINE void int8_rows(const float *x, int64_t x_stride, const int8_t *w, const float *scales,
-                             int64_t n_begin, int64_t n_end, int64_t K, float *y, int64_t y_stride, const int R) {
+enum { INT8_WEIGHTS, BF16_WEIGHTS };
+
+/* 8 weights from k on as fp32. */
+ALWAYS_INLINE __m256 load_weights(const void *row, int64_t k, const int kind) {
+    if (kind == INT8_WEIGHTS)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)row + k))));
+    const __m128i halves = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+
+ALWAYS_INLINE float weight_at(const void *row, int64_t k, const int kind) {
+    if (kind == INT8_WEIGHTS) return (float)((const int8_t *)row)[k];
+    union { uint32_t bits; float value; } wide = {(uint32_t)((const uint16_t *)row)[k] << 16};
+    return wide.value;
+}
+
+/* int8 (times scales[n]) or bf16 (scales NULL) weights, row n at w + n * w_stride elements. */
+ALWAYS_INLINE void plain_rows(const float *x, int64_t x_stride, const void *w, int64_t w_stride, const float *scales,
+                              int64_t n_begin, int64_t n_end, int64_t K, float *y, int64_t y_stride, const int R,
+                              const int kind) {
     const int A = ACCUMULATORS(R);
+    const int64_t row_bytes = w_stride * (kind == INT8_WEIGHTS ? 1 : 2);
     for (int64_t n = n_begin; n < n_end; n++) {
-        const int8_t *row = w + n * K;
-        __m256 acc[MAX_ROWS][4];
-#pragma GCC unroll 8
+        const void *row = (const char *)w + n * row_bytes;
+        __m256 acc[MAX_BF16_ROWS][4];
+#pragma GCC unroll 12
         for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
             for (int a = 0; a < A; a++) acc[r][a] = _mm256_setzero_ps();
@@ -96,27 +119,26 @@ ALWAYS_INLINE void int8_rows(const float *x, int64_t x_stride, const int8_t *w, 
         for (; k + 32 <= K; k += 32) {
             __m256 wv[4];
 #pragma GCC unroll 4
-            for (int s = 0; s < 4; s++)
-                wv[s] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + k + 8 * s))));
-#pragma GCC unroll 8
+            for (int s = 0; s < 4; s++) wv[s] = load_weights(row, k + 8 * s, kind);
+#pragma GCC unroll 12
             for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
                 for (int s = 0; s < 4; s++)
                     acc[r][s % A] = _mm256_fmadd_ps(wv[s], _mm256_loadu_ps(x + r * x_stride + k + 8 * s), acc[r][s % A]);
         }
         for (; k + 8 <= K; k += 8) {
-            const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + k))));
-#pragma GCC unroll 8
+            const __m256 wv = load_weights(row, k, kind);
+#pragma GCC unroll 12
             for (int r = 0; r < R; r++) acc[r][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * x_stride + k), acc[r][0]);
         }
-#pragma GCC unroll 8
+#pragma GCC unroll 12
         for (int r = 0; r < R; r++) {
             __m256 total = acc[r][0];
 #pragma GCC unroll 4
             for (int a = 1; a < A; a++) total = _mm256_add_ps(total, acc[r][a]);
             float sum = sum_lanes(total);
-            for (int64_t j = k; j < K; j++) sum += (float)row[j] * x[r * x_stride + j];
-            y[r * y_stride + n] = sum * scales[n];
+            for (int64_t j = k; j < K; j++) sum += weight_at(row, j, kind) * x[r * x_stride + j];
+            y[r * y_stride + n] = scales ? sum * scales[n] : sum;
         }
     }
 }
@@ -146,7 +168,7 @@ int linear_int4(const float *x, int64_t rows, int64_t x_stride, const uint8_t *w
 
 #define INT8_CASE(R)                                                                                              \
     case R:                                                                                                       \
-        int8_rows(x, x_stride, w, scales, n_begin, n_end, K, y, y_stride, R);                                     \
+        plain_rows(x, x_stride, w, K, scales, n_begin, n_end, K, y, y_stride, R, INT8_WEIGHTS);                   \
         break;
 
 int linear_int8(const float *x, int64_t rows, int64_t x_stride, const int8_t *w, const float *scales,
@@ -159,6 +181,26 @@ int linear_int8(const float *x, int64_t rows, int64_t x_stride, const int8_t *w,
         }
         x += MAX_ROWS * x_stride;
         y += MAX_ROWS * y_stride;
+    }
+    return 0;
+}
+
+#define BF16_CASE(R)                                                                                              \
+    case R:                                                                                                       \
+        plain_rows(x, x_stride, w, w_stride, NULL, n_begin, n_end, K, y, y_stride, R, BF16_WEIGHTS);              \
+        break;
+
+int linear_bf16(const float *x, int64_t rows, int64_t x_stride, const uint16_t *w, int64_t w_stride,
+                int64_t n_begin, int64_t n_end, int64_t K, float *y, int64_t y_stride) {
+    if (rows < 0 || w_stride < K) return -1;
+    for (int64_t first = 0; first < rows; first += MAX_BF16_ROWS) {
+        const int64_t R = rows - first < MAX_BF16_ROWS ? rows - first : MAX_BF16_ROWS;
+        switch (R) {
+            BF16_CASE(1) BF16_CASE(2) BF16_CASE(3) BF16_CASE(4) BF16_CASE(5) BF16_CASE(6) BF16_CASE(7) BF16_CASE(8)
+            BF16_CASE(9) BF16_CASE(10) BF16_CASE(11) BF16_CASE(12)
+        }
+        x += MAX_BF16_ROWS * x_stride;
+        y += MAX_BF16_ROWS * y_stride;
     }
     return 0;
 }

@@ -4,7 +4,9 @@ On a CPU without native bf16 the engine runs in fp32, and a one-token decode ste
 ~540 MB of fp32 weights; PyTorch's weight-only int8/int4 kernels take bf16 activations and are slower than fp32 on
 such a CPU (576x3072, one row: fp32 0.20 ms, int8pack 1.79 ms, int4pack 3.52 ms). These kernels read int4 (groups
 of 32 along the input, w = q * scale + min: GGUF's Q4_0/Q4_1 blocks) or int8 (a scale per output row) copies and
-take 1..8 fp32 rows per pass over the weights (more in passes of 8).
+take 1..8 fp32 rows per pass over the weights (more in passes of 8). A third reads bf16 weights (widened by a
+shift) for 1..12 rows a pass: IndexPool's pool scores on such a CPU, where torch's bf16 matmul is emulated and
+widening the pooled keys first cost more than the product (`model.indexers`).
 
 Layouts (`pack_int4`, `pack_int8`), what `model.quant.DecodeQuantLinear` keeps as buffers:
   - int4: qweight uint8 (N, ceil(K / 64) * 48): output row n is its blocks in pairs, each pair the fp32 scale and
@@ -38,9 +40,11 @@ GROUP = 32
 # weights streaming from memory, took 28.8 against 24.8 ms for one row, 84.5 against 72.9 ms for 8: the kernel is
 # bound by its instructions more than by the 20% more bytes (a busy 2-core Zen 3 VM, OMP_NUM_THREADS=1).
 PAIR_BYTES = 48
-# linear_int4 / linear_int8's arguments, one letter each: p pointer, i int, q int64
+# linear_int4 / linear_int8 / linear_bf16's arguments, one letter each: p pointer, i int, q int64
 INT4_SIGNATURE = "pqqp" + "qqq" + "pq"
 INT8_SIGNATURE = "pqqpp" + "qqq" + "pq"
+BF16_SIGNATURE = "pqqpq" + "qqq" + "pq"
+BF16_ROWS = 12  # rows linear_bf16 takes in one pass over the weights (MAX_BF16_ROWS in the C source)
 
 # A known answer, checked in a child process on a freshly built library before it is used (a VM can advertise
 # instructions it then faults on). 2 rows of x = 1, 0.5, 0.25, 1, 0.5, 0.25, ... against 3 output rows of K = 96
@@ -74,17 +78,27 @@ status = lib.linear_int8(x, rows, K, w8, scales, 0, N, K, y, N)
 want = [sum(xs[r][k] * ((k % 7) - 3) for k in range(K)) * 2.0 ** -n for r in range(rows) for n in range(N)]
 if status != 0 or list(y) != want:
     sys.exit(f"wrong int8 result: {list(y)} against {want}")
+lib.linear_bf16.argtypes = [types[code] for code in sys.argv[4]]
+# bf16 rows K + 3 apart (the gap 99.0, which must not be read): w = ((k % 7) - 3) * 2^-n, exact in bf16
+bits = [struct.unpack("<I", struct.pack("<f", ((k % 7) - 3) * 2.0 ** -n if k < K else 99.0))[0] >> 16
+        for n in range(N) for k in range(K + 3)]
+w16 = (ctypes.c_uint16 * len(bits))(*bits)
+y = (ctypes.c_float * (rows * N))()
+status = lib.linear_bf16(x, rows, K, w16, K + 3, 0, N, K, y, N)
+if status != 0 or list(y) != want:
+    sys.exit(f"wrong bf16 result: {list(y)} against {want}")
 """
 
 
 @functools.cache
 def native_library() -> tuple[ctypes.CDLL | None, str]:
     """The compiled kernels and a line saying where they came from, or (None, why not)."""
-    library, origin = build_native(SOURCE, SELF_TEST, (INT4_SIGNATURE, INT8_SIGNATURE))
+    library, origin = build_native(SOURCE, SELF_TEST, (INT4_SIGNATURE, INT8_SIGNATURE, BF16_SIGNATURE))
     if library is None:
         return None, origin.replace("torch (", "fp32 weights (", 1)
     types = {"p": ctypes.c_void_p, "i": ctypes.c_int, "q": ctypes.c_int64}
-    for function, signature in ((library.linear_int4, INT4_SIGNATURE), (library.linear_int8, INT8_SIGNATURE)):
+    for function, signature in ((library.linear_int4, INT4_SIGNATURE), (library.linear_int8, INT8_SIGNATURE),
+                                (library.linear_bf16, BF16_SIGNATURE)):
         function.restype = ctypes.c_int
         function.argtypes = [types[code] for code in signature]
     return library, origin
@@ -160,6 +174,11 @@ def linear_int4_reference(x: torch.Tensor, qweight: torch.Tensor, bias: torch.Te
     return F.linear(x, unpack_int4(qweight, x.shape[-1]), bias)
 
 
+def linear_bf16_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (..., K) fp32 against bf16 weights (N, K) -> (..., N) fp32, the weights widened."""
+    return F.linear(x, weight.float())
+
+
 def linear_int8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) fp32 against an int8 copy (N, K) with a scale per output row -> (..., N)."""
@@ -230,4 +249,19 @@ def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                                                 scales.data_ptr(), first, end, k, y.data_ptr(), n), rows, n, k)
     if bias is not None:
         y += bias
+    return y.view(*x.shape[:-1], n)
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`linear_bf16_reference` by the C kernel (which must have built: `kernel_runs`); weight's rows may be a
+    strided view (elements contiguous within a row)."""
+    flat, _ = _prepared(x)
+    rows, k = flat.shape
+    n = weight.shape[0]
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"not bf16 weights with rows of {k}: {tuple(weight.shape)} {weight.dtype}")
+    y = torch.empty(rows, n)
+    library = native_library()[0]
+    _run(lambda first, end: library.linear_bf16(flat.data_ptr(), rows, flat.stride(0), weight.data_ptr(),
+                                                max(weight.stride(0), k), first, end, k, y.data_ptr(), n), rows, n, k)
     return y.view(*x.shape[:-1], n)

@@ -145,7 +145,7 @@ class IndexPoolBranches:
             return taken
         first_pool = s.sinks // s.kpool  # branches that select have ws > sinks + topk: all sinks are in
         end_pools = self.ws // s.kpool  # (B,)
-        pooled = base.scored_pools(base.index, layer, first_pool, int(end_pools.max()))
+        pooled = base.scored_pools(base.index, base.indexer, layer, first_pool, int(end_pools.max()))
         index_q, weights = base.indexer.queries(layer, x, q)  # (B, 1, ...): each branch's one query
         limits = (end_pools - first_pool).clamp_min(0).view(1, B)
         scores = base.indexer.score(layer, index_q.transpose(0, 1), weights.transpose(0, 1), pooled, limits)[0]

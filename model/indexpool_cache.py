@@ -418,7 +418,7 @@ class IndexPoolCache:
         first_pool, end_pool = self.n_sinks // s.kpool, self.ws // s.kpool
         indexer, index = (self.indexer, self.index) if self.per_query or self.segment_indexer is None else \
             (self.segment_indexer, self.segment_index)
-        pooled = self.scored_pools(index, layer, first_pool, end_pool)
+        pooled = self.scored_pools(index, indexer, layer, first_pool, end_pool)
         index_q, weights = indexer.queries(layer, x, q)
         if self.per_query:
             scores = indexer.score(layer, index_q, weights, pooled)[0]  # (T, P)
@@ -459,11 +459,14 @@ class IndexPoolCache:
         pools = scores.topk(s.topk // s.kpool, dim=-1, sorted=False).indices
         return pools if candidates is None else candidates.gather(-1, pools)
 
-    def scored_pools(self, index: PooledIndexCache, layer: int, first_pool: int, end_pool: int) -> torch.Tensor:
-        """The pooled keys [first_pool, end_pool) of `index` in the compute dtype, which the indexer's matmuls run
-        in. The engine computes in fp32 on a CPU without native bf16, and there a bf16 matmul is emulated: one query
-        against 8,208 bf16 pools took 3.19 ms, 0.48 ms with the keys widened first (AVX2 EPYC, one thread)."""
-        return index.pooled(self.index_slots[layer])[:, first_pool:end_pool].to(self.dtype)
+    def scored_pools(self, index: PooledIndexCache, indexer: Indexer, layer: int, first_pool: int,
+                     end_pool: int) -> torch.Tensor:
+        """The pooled keys [first_pool, end_pool) of `index` for `indexer` to score: as stored where it reads them
+        so (`reads_stored_pools`), else in the compute dtype, which its matmuls then run in. The engine computes in
+        fp32 on a CPU without native bf16, and there a bf16 matmul is emulated: one query against 8,208 bf16 pools
+        took 3.19 ms, 0.48 ms with the keys widened first (AVX2 EPYC, one thread)."""
+        pooled = index.pooled(self.index_slots[layer])[:, first_pool:end_pool]
+        return pooled if indexer.reads_stored_pools else pooled.to(self.dtype)
 
     def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Attention over the far part (sinks + selected, per query block) and the recent window, computed

@@ -73,6 +73,8 @@ class LightningIndexerConfig:
 class LightningIndexer(nn.Module):
     """All layers' indexer weights, stacked over layers (see the module docstring)."""
 
+    reads_stored_pools = False  # its matmul runs in the pooled keys' dtype: give it the compute dtype
+
     def __init__(self, config: LightningIndexerConfig):
         super().__init__()
         self.config = config

@@ -81,6 +81,28 @@ def test_int8_kernel_matches_the_reference(n, k, bias):
         assert ((got.double() - expected.double()).abs() <= bound).all(), (rows, (got - expected).abs().max())
 
 
+@pytest.mark.parametrize("n,k", [(1, 32), (33, 105), (9, 37), (3, 8), (2, 5), (70, 96)])
+def test_bf16_kernel_matches_the_reference(n, k):
+    """bf16 weights (IndexPool's pooled keys: 105 wide, rows of a larger store, so a stride past K), rows 1..12 (one
+    pass) and 13 and 25 (passes of 12 and a tail), with torch's threads (the outputs split between threads when the
+    weights are big enough: 70 x 96 is not, a large case below is). The widening is exact: summation order only."""
+    needs_kernel()
+    generator = torch.Generator().manual_seed(n * 1000 + k + 2)
+    store = torch.randn(n + 2, k + 11, generator=generator).bfloat16()
+    w = store[1 : n + 1, 3 : k + 3]  # rows k + 11 apart
+    for rows in (*range(1, 13), 13, 25):
+        x = torch.randn(rows, k, generator=generator)
+        got = cpu_linear.linear_bf16(x, w)
+        assert got.shape == (rows, n)
+        assert ((got.double() - cpu_linear.linear_bf16_reference(x, w).double()).abs() <= sum_bound(x, w.float())).all()
+    wide = torch.randn(4096, 300, generator=generator).bfloat16()  # 1.2M weights: two threads where torch has two
+    x = torch.randn(9, 300, generator=generator)
+    assert ((cpu_linear.linear_bf16(x, wide).double() - cpu_linear.linear_bf16_reference(x, wide).double()).abs()
+            <= sum_bound(x, wide.float())).all()
+    with pytest.raises(ValueError, match="not bf16 weights"):
+        cpu_linear.linear_bf16(x, wide.float())
+
+
 def test_kernel_takes_strided_rows_and_batched_shapes():
     """x (2, 3, K) from a wider tensor (rows 2K apart): the kernel reads each row at its stride."""
     needs_kernel()

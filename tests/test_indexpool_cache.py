@@ -500,3 +500,53 @@ def test_evidence_beyond_a_baseline_cancels_what_every_query_draws():
     assert asked.span_mass(15, 18, beyond) == pytest.approx(9.0)
     with pytest.raises(ValueError, match="same span"):
         asked.beyond(AttentionEvidence(0, 20))
+
+
+@pytest.mark.parametrize("T", [1, 3, 5])
+def test_fp32_queries_score_bf16_pools_as_stored(T, monkeypatch):
+    """An fp32 model's index queries against the bf16 pooled index: up to 12 query rows (T = 1 and 3 here, 4 heads
+    each: a decode step's) go to the C kernel with the keys as stored, more (T = 5: 20 rows) widen the keys once.
+    Either way the scores are those against the widened keys up to fp32 summation order, pools past each query's
+    limit -inf."""
+    from kernels import cpu_linear
+
+    if not cpu_linear.kernel_runs():
+        pytest.skip(f"the C linear kernels do not run here: {cpu_linear.linear_path()}")
+    generator = torch.Generator().manual_seed(T)
+    indexer = TrainingFreeIndexer(CONFIG, 4)
+    q = torch.randn(1, T, CONFIG.n_heads, CONFIG.head_dim, generator=generator)
+    weights = torch.rand(1, T, CONFIG.n_heads, generator=generator)
+    pooled = torch.randn(1, 37, indexer.key_dim, generator=generator).bfloat16()
+    limits = torch.tensor([[37, 20, 1, 30, 36][:T]])
+    calls = []
+    kernel = cpu_linear.linear_bf16
+    monkeypatch.setattr(cpu_linear, "linear_bf16", lambda *args: calls.append(1) or kernel(*args))
+    got = indexer.score(0, q, weights, pooled, limits)
+    assert len(calls) == (1 if T * CONFIG.n_heads <= cpu_linear.BF16_ROWS else 0)
+    widened = indexer.score(0, q, weights, pooled.float(), limits)
+    assert got.dtype == torch.float32
+    hidden = torch.arange(37) >= limits[..., None]
+    assert torch.equal(torch.isinf(got), hidden) and torch.equal(torch.isinf(widened), hidden)
+    torch.testing.assert_close(got[~hidden], widened[~hidden], atol=1e-6, rtol=1e-5)
+
+
+def test_an_fp32_models_decode_steps_score_the_stored_pools(monkeypatch):
+    """Read past the context (150 tokens), an fp32 model's decode steps score the bf16 pooled index through the C
+    kernel (`scored_pools` hands it over unwidened); the logits are those of widening it first, up to fp32
+    summation order."""
+    from kernels import cpu_linear
+
+    if not cpu_linear.kernel_runs():
+        pytest.skip(f"the C linear kernels do not run here: {cpu_linear.linear_path()}")
+    model = tiny_model()
+    prompt = prompts_for(150, [150])
+    calls = []
+    kernel = cpu_linear.linear_bf16
+    monkeypatch.setattr(cpu_linear, "linear_bf16", lambda *args: calls.append(1) or kernel(*args))
+    stored = run_session(model, SETTINGS, prompt)
+    assert calls
+    monkeypatch.setattr(TrainingFreeIndexer, "reads_stored_pools", False)
+    calls.clear()
+    widened = run_session(model, SETTINGS, prompt)
+    assert not calls
+    torch.testing.assert_close(stored, widened, atol=1e-5, rtol=0)
