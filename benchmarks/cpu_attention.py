@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=4096, help="cached keys per decode step")
     parser.add_argument("--prefill", type=int, default=4096, help="tokens of the causal prefill")
     parser.add_argument("--segment", type=int, default=512, help="tokens a prefill segment (the engine's default)")
+    parser.add_argument("--any-threads", action="store_true",
+                        help="run the fp32 prefill kernel at any thread count (the engine: one thread only)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", choices=("both", "bf16", "fp32"), default="both",
@@ -47,6 +49,13 @@ def main() -> None:
                                        prefill_kernel_runs)
 
     torch.set_num_threads(args.threads)
+    if args.any_threads:  # the rule measured here: see prefill_kernel_runs
+        import kernels.cpu_attention as cpu_attention
+
+        engine_rule = prefill_kernel_runs
+        cpu_attention.prefill_kernel_runs = lambda device, dtype, head_dim: engine_rule(device, dtype, head_dim) or (
+            dtype == torch.float32 and cpu_attention._supports(dtype, head_dim, "prefill"))
+        prefill_kernel_runs = cpu_attention.prefill_kernel_runs
     library, origin = native_library()
     if library is None:
         sys.exit(f"the C kernels are not available here: {origin}")
@@ -74,6 +83,11 @@ def main() -> None:
         q = torch.randn(1, KV * group, T, D).to(dtype)
         k, v = (torch.randn(1, KV, T, D).to(dtype) for _ in range(2))
 
+        masks = {}  # built once per forward in the engine (KVCache.begin), for every layer: not timed here
+        for start in range(segment, T, segment):
+            hidden = torch.arange(min(start + segment, T))[None, :] > torch.arange(start, min(start + segment, T))[:, None]
+            masks[start] = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
+
         def segments(kernel: bool) -> None:  # as the engine reads a prompt: each segment after the cached ones
             for start in range(0, T, segment):
                 end = min(start + segment, T)
@@ -81,8 +95,7 @@ def main() -> None:
                 if kernel:
                     native_prefill(qs, ks, vs, start)
                     continue
-                hidden = torch.arange(end)[None, :] > torch.arange(start, end)[:, None]
-                mask = None if start == 0 else torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
+                mask = masks.get(start)
                 F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
 
         runs = {"one call, torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),

@@ -18,6 +18,9 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,6 +36,7 @@
 #endif
 #define VALUE_BLOCK 64  /* keys per block of values (16 KB at head_dim 64, fp32) */
 #define MAX_ROWS 16     /* query heads per KV head */
+#define MAX_PREFILL_THREADS 64 /* threads a prefill call starts at most (the rest of a larger count: none) */
 #define PREFETCH_AHEAD 64 /* rows, into L2: without it a DRAM-resident cache was read 40% slower (docs/benchmarks.md) */
 
 #define INLINE static inline __attribute__((always_inline))
@@ -893,77 +897,123 @@ int prefill_attention_supports(int element_size, int dim) {
 #endif
 }
 
-/* Attention of many query rows (a prompt segment), element_size 2 (bf16, AVX512-BF16) or 4 (fp32, AVX2: see
-   prefill_attention_supports). For batch entry b and KV head h, query t of head g of its group is at
-   q + b*q_batch + h*q_kv + g*q_head + t*q_token elements (dim contiguous; out and lse alike, lse may be NULL); only
-   the queries [first, end) of `tokens` are computed (threads share a segment). The keys: `keys` slots per batch
-   entry, row j of k/v (strides kv_batch, kv_head, kv_token) or, with index (batch, keys), the row it lists;
-   rotated by RoPE tables (keys x dim per batch entry, rope_stride apart) when given. causal_start >= 0: query t
-   sees slots 0 .. causal_start + t; else every slot. Returns 0, or -1 for what it does not take or when memory
-   runs out. */
-int prefill_attention(const void *q, void *out, float *lse, const void *k, const void *v, const int64_t *index,
-                      const float *rope_cos, const float *rope_sin, int element_size, int batch, int kv_heads,
-                      int group, int dim, int64_t tokens, int64_t first, int64_t end, int64_t keys,
-                      int64_t causal_start, int64_t rope_stride, int64_t q_batch, int64_t q_kv, int64_t q_head,
-                      int64_t q_token, int64_t o_batch, int64_t o_kv, int64_t o_head, int64_t o_token,
-                      int64_t l_batch, int64_t l_kv, int64_t l_head, int64_t l_token, int64_t kv_batch,
-                      int64_t kv_head, int64_t kv_token, float scale) {
-#ifndef PREFILL_ELEMENT
-    (void)q, (void)out, (void)lse, (void)k, (void)v, (void)index, (void)rope_cos, (void)rope_sin, (void)element_size;
-    (void)batch, (void)kv_heads, (void)group, (void)dim, (void)tokens, (void)first, (void)end, (void)keys;
-    (void)causal_start, (void)rope_stride, (void)q_batch, (void)q_kv, (void)q_head, (void)q_token, (void)o_batch;
-    (void)o_kv, (void)o_head, (void)o_token, (void)l_batch, (void)l_kv, (void)l_head, (void)l_token, (void)kv_batch;
-    (void)kv_head, (void)kv_token, (void)scale;
-    return -1;
-#else
-    if (!prefill_attention_supports(element_size, dim) || group < 1 || group > TILE_ROWS || first < 0 ||
-        end > tokens || first > end || keys < 0 || (rope_cos && !rope_sin))
-        return -1;
-    prepared_head head;
-    if (!prepared_alloc(&head, dim, (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK)) {
-        prepared_free(&head);
-        return -1;
+#ifdef PREFILL_ELEMENT
+/* A prefill call shared by its threads: its arguments (see prefill_attention), every (batch entry, KV head)'s
+   prepared keys and values, and the counters the threads take work from. */
+typedef struct {
+    const void *q, *k, *v;
+    void *out;
+    float *lse;
+    const int64_t *index;
+    const float *rope_cos, *rope_sin;
+    int batch, kv_heads, group, dim;
+    int64_t tokens, keys, causal_start, rope_stride, q_batch, q_kv, q_head, q_token, o_batch, o_kv, o_head, o_token;
+    int64_t l_batch, l_kv, l_head, l_token, kv_batch, kv_head, kv_token;
+    float scale;
+    prepared_head *heads; /* batch x kv_heads */
+    int64_t tiles;        /* query tiles per head */
+    atomic_long next_head, heads_done, next_tile;
+} prefill_work;
+
+/* One thread's part: heads to prepare, then (once all are) query tiles, each taken from a shared counter; the
+   tiles late in a causal segment (the costly ones) go first, so that the threads finish together. Counters rather
+   than a barrier: any number of threads can take part, however many could be started. */
+static void *prefill_worker(void *arg) {
+    prefill_work *w = arg;
+    const long pairs = (long)w->batch * w->kv_heads;
+    for (long i; (i = atomic_fetch_add(&w->next_head, 1)) < pairs;) {
+        int b = (int)(i / w->kv_heads), h = (int)(i % w->kv_heads);
+        int64_t at = (int64_t)b * w->kv_batch + (int64_t)h * w->kv_head;
+        head_keys source = {(const char *)w->k + at * PREFILL_ELEMENT, (const char *)w->v + at * PREFILL_ELEMENT,
+                            w->kv_token, w->keys, w->index ? w->index + (int64_t)b * w->keys : NULL,
+                            w->rope_cos ? w->rope_cos + b * w->rope_stride : NULL,
+                            w->rope_sin ? w->rope_sin + b * w->rope_stride : NULL, NULL};
+        prepare_head(&source, w->dim, &w->heads[i]);
+        atomic_fetch_add(&w->heads_done, 1);
     }
-    const int tile_tokens = TILE_ROWS / group;
+    while (atomic_load(&w->heads_done) < pairs) sched_yield(); /* another thread's head: about a millisecond */
+    const int dim = w->dim, group = w->group, tile_tokens = TILE_ROWS / group;
     const size_t row_bytes = (size_t)PREFILL_ELEMENT * dim;
     tile_function tile = dim == 64 ? prefill_tile_d64 : dim == 128 ? prefill_tile_d128 : prefill_tile_any;
     float query[TILE_ROWS * 256] __attribute__((aligned(64))); /* the tile's rows, in the kernel's element type */
     int64_t limit[TILE_ROWS];
     float result[TILE_ROWS * 256], row_lse[TILE_ROWS];
-    for (int b = 0; b < batch; b++)
-        for (int h = 0; h < kv_heads; h++) {
-            int64_t source_head = (int64_t)b * kv_batch + (int64_t)h * kv_head;
-            head_keys source = {(const char *)k + source_head * PREFILL_ELEMENT,
-                                (const char *)v + source_head * PREFILL_ELEMENT, kv_token, keys,
-                                index ? index + (int64_t)b * keys : NULL, rope_cos ? rope_cos + b * rope_stride : NULL,
-                                rope_sin ? rope_sin + b * rope_stride : NULL, NULL};
-            prepare_head(&source, dim, &head);
-            for (int64_t t0 = first; t0 < end; t0 += tile_tokens) {
-                int n = end - t0 < tile_tokens ? (int)(end - t0) : tile_tokens;
-                int rows = (n * group + ROW_MULTIPLE - 1) / ROW_MULTIPLE * ROW_MULTIPLE;
-                for (int r = 0; r < rows; r++) {
-                    int64_t t = t0 + r / group, seen = causal_start < 0 ? keys : causal_start + t + 1;
-                    char *row = (char *)query + r * row_bytes;
-                    if (r < n * group) {
-                        int64_t at = b * q_batch + h * q_kv + (r % group) * q_head + t * q_token;
-                        memcpy(row, (const char *)q + at * PREFILL_ELEMENT, row_bytes);
-                        limit[r] = seen < keys ? seen : keys;
-                    } else {
-                        memset(row, 0, row_bytes);
-                        limit[r] = 0;
-                    }
-                }
-                tile(query, limit, rows, &head, dim / LANES, scale, result, row_lse);
-                for (int r = 0; r < n * group; r++) {
-                    int64_t t = t0 + r / group, g = r % group;
-                    int64_t at = b * o_batch + h * o_kv + g * o_head + t * o_token;
-                    store_output_row((char *)out + at * PREFILL_ELEMENT, result + r * dim, dim);
-                    if (lse) lse[b * l_batch + h * l_kv + g * l_head + t * l_token] = row_lse[r];
-                }
+    for (long i; (i = atomic_fetch_add(&w->next_tile, 1)) < pairs * w->tiles;) {
+        long pair = i % pairs;
+        int b = (int)(pair / w->kv_heads), h = (int)(pair % w->kv_heads);
+        int64_t t0 = (w->tiles - 1 - i / pairs) * tile_tokens;
+        int n = w->tokens - t0 < tile_tokens ? (int)(w->tokens - t0) : tile_tokens;
+        int rows = (n * group + ROW_MULTIPLE - 1) / ROW_MULTIPLE * ROW_MULTIPLE;
+        for (int r = 0; r < rows; r++) {
+            int64_t t = t0 + r / group, seen = w->causal_start < 0 ? w->keys : w->causal_start + t + 1;
+            char *row = (char *)query + r * row_bytes;
+            if (r < n * group) {
+                int64_t at = b * w->q_batch + h * w->q_kv + (r % group) * w->q_head + t * w->q_token;
+                memcpy(row, (const char *)w->q + at * PREFILL_ELEMENT, row_bytes);
+                limit[r] = seen < w->keys ? seen : w->keys;
+            } else {
+                memset(row, 0, row_bytes);
+                limit[r] = 0;
             }
         }
-    prepared_free(&head);
-    return 0;
+        tile(query, limit, rows, &w->heads[pair], dim / LANES, w->scale, result, row_lse);
+        for (int r = 0; r < n * group; r++) {
+            int64_t t = t0 + r / group, g = r % group;
+            int64_t at = b * w->o_batch + h * w->o_kv + g * w->o_head + t * w->o_token;
+            store_output_row((char *)w->out + at * PREFILL_ELEMENT, result + r * dim, dim);
+            if (w->lse) w->lse[b * w->l_batch + h * w->l_kv + g * w->l_head + t * w->l_token] = row_lse[r];
+        }
+    }
+    return NULL;
+}
+#endif
+
+/* Attention of many query rows (a prompt segment), element_size 2 (bf16, AVX512-BF16) or 4 (fp32, AVX2: see
+   prefill_attention_supports), on `threads` threads (the caller's and threads - 1 started for the call). For batch
+   entry b and KV head h, query t of head g of its group is at q + b*q_batch + h*q_kv + g*q_head + t*q_token
+   elements (dim contiguous; out and lse alike, lse may be NULL). The keys: `keys` slots per batch entry, row j of
+   k/v (strides kv_batch, kv_head, kv_token) or, with index (batch, keys), the row it lists; rotated by RoPE tables
+   (keys x dim per batch entry, rope_stride apart) when given. causal_start >= 0: query t sees slots
+   0 .. causal_start + t; else every slot. Returns 0, or -1 for what it does not take or when memory runs out. */
+int prefill_attention(const void *q, void *out, float *lse, const void *k, const void *v, const int64_t *index,
+                      const float *rope_cos, const float *rope_sin, int element_size, int threads, int batch,
+                      int kv_heads, int group, int dim, int64_t tokens, int64_t keys, int64_t causal_start,
+                      int64_t rope_stride, int64_t q_batch, int64_t q_kv, int64_t q_head, int64_t q_token,
+                      int64_t o_batch, int64_t o_kv, int64_t o_head, int64_t o_token, int64_t l_batch, int64_t l_kv,
+                      int64_t l_head, int64_t l_token, int64_t kv_batch, int64_t kv_head, int64_t kv_token,
+                      float scale) {
+#ifndef PREFILL_ELEMENT
+    (void)q, (void)out, (void)lse, (void)k, (void)v, (void)index, (void)rope_cos, (void)rope_sin, (void)element_size;
+    (void)threads, (void)batch, (void)kv_heads, (void)group, (void)dim, (void)tokens, (void)keys, (void)causal_start;
+    (void)rope_stride, (void)q_batch, (void)q_kv, (void)q_head, (void)q_token, (void)o_batch, (void)o_kv;
+    (void)o_head, (void)o_token, (void)l_batch, (void)l_kv, (void)l_head, (void)l_token, (void)kv_batch;
+    (void)kv_head, (void)kv_token, (void)scale;
+    return -1;
+#else
+    if (!prefill_attention_supports(element_size, dim) || group < 1 || group > TILE_ROWS || threads < 1 ||
+        tokens < 0 || keys < 0 || batch < 0 || kv_heads < 0 || (rope_cos && !rope_sin))
+        return -1;
+    const int pairs = batch * kv_heads;
+    prefill_work w = {q, k, v, out, lse, index, rope_cos, rope_sin, batch, kv_heads, group, dim, tokens, keys,
+                      causal_start, rope_stride, q_batch, q_kv, q_head, q_token, o_batch, o_kv, o_head, o_token,
+                      l_batch, l_kv, l_head, l_token, kv_batch, kv_head, kv_token, scale,
+                      calloc((size_t)(pairs > 0 ? pairs : 1), sizeof(prepared_head)),
+                      (tokens + TILE_ROWS / group - 1) / (TILE_ROWS / group), 0, 0, 0};
+    int ok = w.heads != NULL;
+    for (int i = 0; ok && i < pairs; i++)
+        ok = prepared_alloc(&w.heads[i], dim, (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK);
+    if (ok) {
+        pthread_t helpers[MAX_PREFILL_THREADS];
+        int started = 0; /* fewer than asked if one could not start: the others take its share */
+        while (started < threads - 1 && started < MAX_PREFILL_THREADS &&
+               pthread_create(&helpers[started], NULL, prefill_worker, &w) == 0)
+            started++;
+        prefill_worker(&w);
+        for (int i = 0; i < started; i++) pthread_join(helpers[i], NULL);
+    }
+    for (int i = 0; w.heads && i < pairs; i++) prepared_free(&w.heads[i]);
+    free(w.heads);
+    return ok ? 0 : -1;
 #endif
 }
 

@@ -21,7 +21,6 @@ instructions, on GPUs, or with INDEXPOOL_KERNELS=torch, the torch path runs inst
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import functools
 import os
@@ -37,7 +36,7 @@ SOURCE = Path(__file__).with_name("cpu_attention.c")
 MAX_ROWS = 16  # query heads per KV head, as in the C source
 # decode_attention's arguments, one letter each: p pointer, i int, q int64, f float
 SIGNATURE = "pppppp" + "iiiii" + "qqqq" + "f" + "ppp" + "q" + "p"
-PREFILL_SIGNATURE = "pppppppp" + "iiiii" + "q" * 6 + "q" * 12 + "qqq" + "f"  # prefill_attention's
+PREFILL_SIGNATURE = "pppppppp" + "iiiiii" + "q" * 4 + "q" * 12 + "qqq" + "f"  # prefill_attention's
 
 
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -91,8 +90,8 @@ for size in (4, 2):  # prefill (fp32 on AVX2, bf16 on AVX512-BF16): 3 queries at
     start, tokens = keys - 3, 3
     q, k, v = (ctypes.create_string_buffer(pack(xs)) for xs in ([0.5] * 2 * tokens * dim, [0.25] * keys * dim, values))
     out = ctypes.create_string_buffer(2 * tokens * dim * size)
-    status = lib.prefill_attention(q, out, None, k, v, None, None, None, size, 1, 1, 2, dim, tokens, 0, tokens,
-                                   keys, start, 0, 2 * tokens * dim, 2 * tokens * dim, tokens * dim, dim,
+    status = lib.prefill_attention(q, out, None, k, v, None, None, None, size, 2, 1, 1, 2, dim, tokens, keys,
+                                   start, 0, 2 * tokens * dim, 2 * tokens * dim, tokens * dim, dim,
                                    2 * tokens * dim, 2 * tokens * dim, tokens * dim, dim, 0, 0, 0, 0,
                                    keys * dim, keys * dim, dim, dim ** -0.5)
     got = unpack(out.raw)
@@ -229,9 +228,9 @@ def prefill_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: int)
     without AMX (with AMX, PyTorch's flash kernel runs its matmuls on AMX tiles; this kernel's AVX512-BF16 dot
     products were measured only against the flash kernel on a CPU without them), head sizes 32, 64, 128, 256; fp32
     on a CPU with AVX2 and no AVX-512 (where it was measured), head sizes a multiple of 16 up to 256, and only while
-    torch runs one thread: a 4K prefill of the default model took 19.8 s against 24.2 s with the flash kernel on one
-    thread, but 12.0 s against 11.3 s on two (the flash kernel splits its work over OpenMP threads better than
-    `native_prefill` splits queries over Python threads; docs/benchmarks.md)."""
+    torch runs one thread: in a 4K prefill of the default model its attention took 8.4 s against the flash
+    kernel's 10.5 s on one thread, but 5.2 s against 5.3 s on two, the whole prefill 11.3 s against 11.2 s
+    (docs/benchmarks.md)."""
     return (device.type == "cpu" and not torch_forced() and not (dtype == torch.bfloat16 and _has_amx())
             and not (dtype == torch.float32 and torch.get_num_threads() > 1)
             and _supports(dtype, head_dim, "prefill"))
@@ -251,8 +250,8 @@ def native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
     (1, KV, tokens, D), rotated by rope (cos, sin) as in `native_attention`. start None: every query sees every
     key; start s: query t sees keys 0 .. s+t (causal, the queries at positions s..s+T-1). Returns (B, H, T, D), with
     return_lse also the fp32 log-sum-exp (B, H, T) of the scaled logits; None where `prefill_kernel_runs` says no.
-    With several torch threads the queries are split between as many Python threads (the kernel runs without the
-    GIL), each a share of the work."""
+    With several torch threads the kernel starts as many (one per 64 queries at most), which share the heads'
+    preparation and then take query tiles, the costly ones first."""
     B, H, T, D = q.shape
     KV = k.shape[1]
     S = k.shape[2] if index is None else index.shape[1]
@@ -268,29 +267,14 @@ def native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
     index = None if index is None else index.contiguous()
     cos, sin = (None, None) if rope is None else (t.float().contiguous() for t in rope)
     library, group = native_library()[0], H // KV
-    threads = max(1, min(torch.get_num_threads(), T // 64))
     per_head = lambda t: (t.stride(0), t.stride(1) * group, t.stride(1), t.stride(2))  # noqa: E731
-
-    def run(first: int, end: int) -> int:
-        return library.prefill_attention(
-            q.data_ptr(), out.data_ptr(), _pointer(lse), k.data_ptr(), v.data_ptr(), _pointer(index), _pointer(cos),
-            _pointer(sin), q.element_size(), B, KV, group, D, T, first, end, S, -1 if start is None else start,
-            0 if rope is None or cos.dim() == 2 else S * D, *per_head(q), *per_head(out),
-            *(per_head(lse) if lse is not None else (0, 0, 0, 0)), 0 if index is not None else k.stride(0),
-            k.stride(1), k.stride(2), D**-0.5)
-
-    if threads == 1:
-        statuses = [run(0, T)]
-    else:
-        # Query t costs as many keys as it sees: split the total into equal shares.
-        if start is None:
-            work = torch.full((T,), float(S), dtype=torch.float64).cumsum(0)
-        else:
-            work = torch.arange(start + 1, start + T + 1, dtype=torch.float64).cumsum(0)
-        bounds = [0, *(int(torch.searchsorted(work, work[-1] * i / threads)) for i in range(1, threads)), T]
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            statuses = list(pool.map(run, bounds[:-1], bounds[1:]))
-    if any(statuses):
+    status = library.prefill_attention(
+        q.data_ptr(), out.data_ptr(), _pointer(lse), k.data_ptr(), v.data_ptr(), _pointer(index), _pointer(cos),
+        _pointer(sin), q.element_size(), max(1, min(torch.get_num_threads(), T // 64)), B, KV, group, D, T, S,
+        -1 if start is None else start, 0 if rope is None or cos.dim() == 2 else S * D, *per_head(q), *per_head(out),
+        *(per_head(lse) if lse is not None else (0, 0, 0, 0)), 0 if index is not None else k.stride(0), k.stride(1),
+        k.stride(2), D**-0.5)
+    if status != 0:  # memory ran out
         return None
     return (out, lse) if return_lse else out
 
@@ -306,7 +290,7 @@ def prefill_attention_path(device: torch.device | str, dtype: torch.dtype, head_
         needs = {torch.bfloat16: "bf16 needs AVX512-BF16", torch.float32: "fp32 runs on AVX2 CPUs without AVX-512"}
         return f"torch (the C prefill kernel: {needs.get(dtype, 'bf16 or fp32 only')}; head size {head_dim})"
     if torch.device(device).type == "cpu" and dtype == torch.float32 and torch.get_num_threads() > 1:
-        return "torch (the fp32 C prefill kernel runs on one thread; with more, PyTorch's flash kernel measured faster)"
+        return "torch (the fp32 C prefill kernel runs on one thread; with more, PyTorch's flash kernel measured as fast)"
     return "torch"
 
 

@@ -468,7 +468,7 @@ def _check_gathered_and_rotated(q, store, index, cos, sin, dtype):
 
 def test_fp32_prefill_kernel_keeps_to_one_thread(one_thread):
     """The fp32 prefill kernel runs while torch has one thread and gives way to PyTorch's flash kernel with more
-    (measured faster there): native_prefill then returns None and `indexpool info` says why."""
+    (measured as fast there): native_prefill then returns None and `indexpool info` says why."""
     if not cpu.prefill_kernel_runs(torch.device("cpu"), torch.float32, 64):
         pytest.skip(f"the C prefill kernel does not run here: {cpu.prefill_attention_path('cpu', torch.float32, 64)}")
     q, k, v = torch.randn(1, 9, 40, 64), torch.randn(1, 3, 40, 64), torch.randn(1, 3, 40, 64)
@@ -477,3 +477,24 @@ def test_fp32_prefill_kernel_keeps_to_one_thread(one_thread):
     assert not cpu.prefill_kernel_runs(torch.device("cpu"), torch.float32, 64)
     assert cpu.native_prefill(q, k, v, 0) is None
     assert "runs on one thread" in cpu.prefill_attention_path("cpu", torch.float32, 64)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_prefill_kernel_threads_give_the_same_bits_as_one(threads, one_thread, monkeypatch):
+    """The kernel's threads prepare the heads, then take whole query tiles (the costly ones first): any number of
+    them gives one thread's bits: the default model's heads (9 over 3 KV heads: with two threads one prepares two,
+    and the other must wait for them) in a late segment of 100 queries over 3,000 keys, and two sequences of eight
+    heads over two (fp32 with the one-thread rule lifted; where only the bf16 kernel runs, bf16)."""
+    dtype = next((d for d in (torch.float32, torch.bfloat16) if cpu._supports(d, 64, "prefill")), None)
+    if dtype is None or cpu.torch_forced():
+        pytest.skip(f"the C prefill kernel does not run here: {cpu.prefill_attention_path('cpu', torch.float32, 64)}")
+    monkeypatch.setattr(cpu, "prefill_kernel_runs", lambda device, dt, head_dim: cpu._supports(dt, head_dim, "prefill"))
+    generator = torch.Generator().manual_seed(threads)
+    for B, H, KV, T, start in ((1, 9, 3, 100, 2900), (2, 8, 2, 500, 29)):
+        q = torch.randn(B, T, H + 2 * KV, 64, generator=generator).to(dtype)[:, :, :H].transpose(1, 2)
+        k, v = (torch.randn(B, KV, start + T, 64, generator=generator).to(dtype) for _ in range(2))
+        torch.set_num_threads(threads)  # first: its scratch memory is not one thread's run of the same inputs
+        many = cpu.native_prefill(q, k, v, start, return_lse=True)
+        torch.set_num_threads(1)
+        one = cpu.native_prefill(q, k, v, start, return_lse=True)
+        assert all(torch.equal(a, b) for a, b in zip(one, many))
