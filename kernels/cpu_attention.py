@@ -7,7 +7,7 @@ query heads of its KV head (and for IndexPool gathers the selected tokens and ro
 each query row's attention probabilities, which `ask` points at its sources with). The
 prefill kernel computes a prompt segment's attention flash style, its products laid out as outer products: with
 bf16 dot products about twice as fast as PyTorch's flash kernel on an AVX512-BF16 CPU without AMX; with fp32 FMAs
-on an AVX2 CPU, one thread, 1.24x as fast as the flash kernel over a 4K prompt read in 512-token segments (it
+on an AVX2 CPU, one thread, 1.21x as fast as the flash kernel over a 4K prompt read in 512-token segments (it
 skips the key blocks a segment's mask hides, which the flash kernel computes). It runs only where it measured
 faster.
 
