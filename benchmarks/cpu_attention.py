@@ -52,10 +52,7 @@ def main() -> None:
     if args.any_threads:  # the rule measured here: see prefill_kernel_runs
         import kernels.cpu_attention as cpu_attention
 
-        engine_rule = prefill_kernel_runs
-        cpu_attention.prefill_kernel_runs = lambda device, dtype, head_dim: engine_rule(device, dtype, head_dim) or (
-            dtype == torch.float32 and cpu_attention._supports(dtype, head_dim, "prefill"))
-        prefill_kernel_runs = cpu_attention.prefill_kernel_runs
+        cpu_attention.FP32_PREFILL_THREADS = args.threads
     library, origin = native_library()
     if library is None:
         sys.exit(f"the C kernels are not available here: {origin}")

@@ -36,6 +36,8 @@ SOURCE = Path(__file__).with_name("cpu_attention.c")
 MAX_ROWS = 16  # query heads per KV head, as in the C source
 # decode_attention's arguments, one letter each: p pointer, i int, q int64, f float
 SIGNATURE = "pppppp" + "iiiii" + "qqqq" + "f" + "ppp" + "q" + "p"
+# The most torch threads the fp32 prefill kernel runs under (see prefill_kernel_runs; a benchmark or test may raise it)
+FP32_PREFILL_THREADS = 1
 PREFILL_SIGNATURE = "pppppppp" + "iiiiii" + "q" * 4 + "q" * 12 + "qqq" + "f"  # prefill_attention's
 
 
@@ -232,7 +234,7 @@ def prefill_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: int)
     kernel's 10.5 s on one thread, but 5.2 s against 5.3 s on two, the whole prefill 11.3 s against 11.2 s
     (docs/benchmarks.md)."""
     return (device.type == "cpu" and not torch_forced() and not (dtype == torch.bfloat16 and _has_amx())
-            and not (dtype == torch.float32 and torch.get_num_threads() > 1)
+            and not (dtype == torch.float32 and torch.get_num_threads() > FP32_PREFILL_THREADS)
             and _supports(dtype, head_dim, "prefill"))
 
 
@@ -289,7 +291,7 @@ def prefill_attention_path(device: torch.device | str, dtype: torch.dtype, head_
             and not _supports(dtype, head_dim, "prefill")):
         needs = {torch.bfloat16: "bf16 needs AVX512-BF16", torch.float32: "fp32 runs on AVX2 CPUs without AVX-512"}
         return f"torch (the C prefill kernel: {needs.get(dtype, 'bf16 or fp32 only')}; head size {head_dim})"
-    if torch.device(device).type == "cpu" and dtype == torch.float32 and torch.get_num_threads() > 1:
+    if torch.device(device).type == "cpu" and dtype == torch.float32 and torch.get_num_threads() > FP32_PREFILL_THREADS:
         return "torch (the fp32 C prefill kernel runs on one thread; with more, PyTorch's flash kernel measured as fast)"
     return "torch"
 

@@ -485,10 +485,11 @@ def test_prefill_kernel_threads_give_the_same_bits_as_one(threads, one_thread, m
     them gives one thread's bits: the default model's heads (9 over 3 KV heads: with two threads one prepares two,
     and the other must wait for them) in a late segment of 100 queries over 3,000 keys, and two sequences of eight
     heads over two (fp32 with the one-thread rule lifted; where only the bf16 kernel runs, bf16)."""
-    dtype = next((d for d in (torch.float32, torch.bfloat16) if cpu._supports(d, 64, "prefill")), None)
-    if dtype is None or cpu.torch_forced():
+    monkeypatch.setattr(cpu, "FP32_PREFILL_THREADS", max(threads, cpu.FP32_PREFILL_THREADS))
+    dtype = next((d for d in (torch.float32, torch.bfloat16) if cpu.prefill_kernel_runs(torch.device("cpu"), d, 64)),
+                 None)
+    if dtype is None:
         pytest.skip(f"the C prefill kernel does not run here: {cpu.prefill_attention_path('cpu', torch.float32, 64)}")
-    monkeypatch.setattr(cpu, "prefill_kernel_runs", lambda device, dt, head_dim: cpu._supports(dt, head_dim, "prefill"))
     generator = torch.Generator().manual_seed(threads)
     for B, H, KV, T, start in ((1, 9, 3, 100, 2900), (2, 8, 2, 500, 29)):
         q = torch.randn(B, T, H + 2 * KV, 64, generator=generator).to(dtype)[:, :, :H].transpose(1, 2)
