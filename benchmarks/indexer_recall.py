@@ -4,23 +4,25 @@ The dense model reads held-out English (the tail of pydoc_data.topics, which `in
 on) once per context length, in 512-token segments, while each indexer fills its pooled index (`PooledIndexCache`,
 as the IndexPool cache stores it). At query positions spread over the last 10% of the text, per layer and head,
 attention probabilities (softmax over all keys) are summed over what the query would attend to: sinks [0, 64) +
-the indexer's top 512 pools of 4 among the far candidates (complete pools inside [64, ws)) + the recent window
-[ws, p], ws = (p - 1024) rounded down to a pool. Reported: that mass averaged over heads, layers and queries; the
-share of the far mass (outside sinks and window) it catches; the worst layer. "sinks + window" is the floor (no far
-tokens), "oracle" the top pools by the attention itself (the ceiling for 512 pools chosen per layer).
+the indexer's top topk / 4 pools of 4 (512 at the default topk, 2,048; `--topk`) among the far candidates
+(complete pools inside [64, ws)) + the recent window [ws, p], ws = (p - 1024) rounded down to a pool. Reported:
+that mass averaged over heads, layers and queries; the share of the far mass (outside sinks and window) it
+catches; the worst layer. "sinks + window" is the floor (no far tokens), "oracle" the top pools by the attention
+itself (the ceiling for that many pools chosen per layer).
 
 Two attentions are measured against. "dense": the dense model as it is; past its trained context (8K) its queries
 meet distances it never saw. "in-context": the same queries and keys with every far token at one in-context
 distance, as the IndexPool cache places what it selects (see in_context_probs).
 
 With `--states indexpool` the text is read instead as the engine reads it: through the IndexPool cache (default
-settings, the default indexer choosing what each segment attends to, 2048-token segments), so that past 8K the
-queries and keys come from a model that never met an untrained distance; they are measured against the
-"in-context" attention of those states. Past the trained context this is the model as it runs; the dense read's
-states there are not.
+settings but `--topk`, the indexer `--reader` names choosing what each segment attends to, 2048-token segments),
+so that past 8K the queries and keys come from a model that never met an untrained distance; they are measured
+against the "in-context" attention of those states. Past the trained context this is the model as it runs; the
+dense read's states there are not.
 
     .venv/bin/python benchmarks/indexer_recall.py --threads 1
     .venv/bin/python benchmarks/indexer_recall.py --threads 1 --states indexpool
+    .venv/bin/python benchmarks/indexer_recall.py --threads 1 --states indexpool --reader hybrid --topk 4096 --lengths 32768
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from model.indexpool import (FP8_DTYPE, PooledIndexCache, indexer_source_layers,
 from model.lightning_indexer import LightningIndexer, ModelFingerprint, default_indexer_path  # noqa: E402
 from model.llama import apply_rope, rope_tables  # noqa: E402
 from model.runtime import load_engine  # noqa: E402
-from indexpool_cli.attention import AttentionChoice, default_indexer  # noqa: E402
+from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer  # noqa: E402
 from indexpool_scale import add_schedule_option  # noqa: E402  (this script's folder is on sys.path)
 
 
@@ -84,13 +86,14 @@ class IndexingCapture(IndexFiller, DenseCapture):
 
 
 class IndexPoolCapture(IndexFiller, QueryRecorder, IndexPoolCache):
-    """The IndexPool cache reading as the engine reads (its own indexer, `reader`, choosing the far tokens), also
+    """The IndexPool cache reading as the engine reads (its own indexer, `reader`, choosing the far tokens;
+    `segment_reader`, when given, choosing for the long forwards as --indexer hybrid's trained one does), also
     keeping the queries at `query_positions` and filling the measured indexers' pooled indexes."""
 
     def __init__(self, model, length, query_positions, indexers: dict[str, tuple[object, torch.dtype]], reader,
-                 schedule=None):
-        super().__init__(model.config, IndexPoolConfig(kv_storage="bf16", schedule=schedule), reader, length,
-                         model.dtype, model.tok_embeddings.weight.device)
+                 schedule=None, topk=IndexPoolConfig.topk, segment_reader=None):
+        super().__init__(model.config, IndexPoolConfig(kv_storage="bf16", schedule=schedule, topk=topk), reader, length,
+                         model.dtype, model.tok_embeddings.weight.device, segment_reader)
         self._init_recorder(model.config, query_positions, self.inv_freq.device)
         self._init_indexes(indexers, length, self.inv_freq.device)
 
@@ -164,12 +167,13 @@ def dense_key_rotated_back(cache: IndexingCapture, layer: int, cos: torch.Tensor
 
 @torch.inference_mode()
 def measure(model, tokens: list[int], n_positions: int, indexers: dict, pattern: SparsePattern,
-            reader=None, schedule=None) -> dict:
+            reader=None, schedule=None, segment_reader=None) -> dict:
     """{teacher: {method: (n_layers, Q) attention mass kept, averaged over heads}}. Read densely (reader None):
     the dense model as it is ("dense") and with far tokens at in-context distances ("in-context", see
-    in_context_probs). Read through the IndexPool cache with `reader` choosing the far tokens: the in-context
-    attention of those states. schedule: the indexer schedule (IndexPoolConfig.schedule); a "shared" layer keeps
-    what the full layer before it chose (the oracle still chooses per layer)."""
+    in_context_probs). Read through the IndexPool cache with `reader` (and `segment_reader` for the long forwards,
+    when given) choosing the far tokens: the in-context attention of those states. schedule: the indexer schedule
+    (IndexPoolConfig.schedule); a "shared" layer keeps what the full layer before it chose (the oracle still
+    chooses per layer)."""
     length = len(tokens)
     positions = torch.linspace(int(0.9 * length), length - 1, n_positions).round().long().unique()
     ids = torch.tensor([tokens])
@@ -178,7 +182,7 @@ def measure(model, tokens: list[int], n_positions: int, indexers: dict, pattern:
         teachers = ["dense", "in-context"]
         sink_gap = IndexPoolConfig().sink_gap(model.config.context_length)  # where the engine would put the sinks
     else:
-        cache = IndexPoolCapture(model, length, positions, indexers, reader, schedule)
+        cache = IndexPoolCapture(model, length, positions, indexers, reader, schedule, pattern.topk, segment_reader)
         segment, teachers, sink_gap = cache.settings.segment, ["in-context, IndexPool read"], cache.sink_gap
     for start in range(0, length, segment):
         model(ids[:, start : start + segment], start, cache)
@@ -222,14 +226,18 @@ def main() -> None:
     parser.add_argument("--per-layer", action="store_true", help="also print every layer's figure")
     parser.add_argument("--no-pruned", action="store_true", help="leave out the pruned training-free indexer")
     add_schedule_option(parser)
+    parser.add_argument("--topk", type=int, default=SparsePattern.topk,
+                        help="far tokens a query attends to (the engine's --topk; with --states indexpool the read uses it too)")
     parser.add_argument("--states", choices=["dense", "indexpool"], default="dense",
                         help="read the text densely (default) or through the IndexPool cache, as the engine does")
+    parser.add_argument("--reader", default="auto",
+                        help="with --states indexpool: the engine's --indexer for the read (auto, training-free, trained, hybrid)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     loaded = load_engine(None, dtype=args.dtype, decode_weights="off")
-    pattern = SparsePattern()
+    pattern = SparsePattern(topk=args.topk)
     indexers = {"training-free, bf16": (TrainingFreeIndexer(loaded.config, pattern.kpool), torch.bfloat16)}
     if not args.no_pruned:  # --prune-index: keys projected on the directions holding 95% of each layer's variance
         projection = pruning_projection(loaded)
@@ -251,8 +259,11 @@ def main() -> None:
           f"top {pattern.topk // pattern.kpool} pools of {pattern.kpool}; {args.positions} queries in the last 10%")
     for length in lengths:
         t0 = time.perf_counter()
-        reader = None if args.states == "dense" else default_indexer(AttentionChoice(), loaded)
-        kept = measure(loaded.model, tokens[:length], args.positions, indexers, pattern, reader, args.schedule)
+        choice = AttentionChoice(indexer=args.reader, topk=args.topk)
+        reader, segment_reader = (None, None) if args.states == "dense" else (default_indexer(choice, loaded),
+                                                                              segment_indexer(choice, loaded))
+        kept = measure(loaded.model, tokens[:length], args.positions, indexers, pattern, reader, args.schedule,
+                       segment_reader)
         print(f"\n{length} tokens ({time.perf_counter() - t0:.0f} s)")
         for teacher, methods in kept.items():
             floor = methods["sinks + window"]

@@ -86,7 +86,8 @@ def run(args) -> None:
     choice = AttentionChoice(indexer=args.indexer, prune_index=args.prune_index)
     indexer, for_segments = default_indexer(choice, loaded), segment_indexer(choice, loaded)
     rng = random.Random(args.seed)
-    print(f"model {loaded.name}, indexer {type(indexer).__name__}, {args.haystack} haystack of {len(hay_ids)} tokens, threads {torch.get_num_threads()}", flush=True)
+    readers = type(indexer).__name__ + (f" (segments: {type(for_segments).__name__})" if for_segments else "")
+    print(f"model {loaded.name}, indexer {readers}, {args.haystack} haystack of {len(hay_ids)} tokens, threads {torch.get_num_threads()}", flush=True)
     depths = args.depths
     names = f"{100 * min(depths):.0f}%..{100 * max(depths):.0f}%" if len(depths) > 1 else f"{100 * depths[0]:.0f}%"
     print(f"{'length':>8} {'mode':>9} {'accuracy':>9} {'trials':>6} {'prefill tok/s':>13}  hits per depth ({names})")

@@ -130,7 +130,7 @@ class TrainingFreeIndexer:
         H = KV * G
         dtype = torch.promote_types(q.dtype, pooled.dtype)
         projection = self.head_projection(layer, dtype)
-        narrow = pooled.dtype != dtype and reads_bf16_pools(pooled, dtype, min(chunk, T) * H)
+        narrow = reads_bf16_pools(pooled, dtype, min(chunk, T) * H)
         if pooled.dtype != dtype and not narrow:
             pooled = pooled.to(dtype)  # once, for every chunk's matmul
         scores = []
