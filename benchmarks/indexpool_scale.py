@@ -75,7 +75,6 @@ def worker(length: int, mode: str, decode: int, threads: int | None, options: di
     import torch
 
     from model.generate import Session
-    from model.indexpool import per_token_index_bytes
     from model.indexpool_cache import IndexPoolConfig
     from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer
     from model.runtime import load_engine, set_threads
@@ -109,8 +108,7 @@ def worker(length: int, mode: str, decode: int, threads: int | None, options: di
     if mode == "indexpool":
         cache = session.cache
         result.update(cache.bytes_per_token())
-        # A per-token index of the same width and dtype in the layers that hold one (the "full" indexer layers).
-        result["per_token_index"] = per_token_index_bytes(cache.indexer.key_dim, cache.index.dtype) * len(cache.index_slots)
+        result["per_token_index"] = cache.unpooled_index_bytes()
         result["fixed_bytes"] = cache.fixed_bytes()
         result["kv_storage"] = cache.kv_storage
         result["indexer"] = type(indexer).__name__

@@ -812,9 +812,6 @@ def _glm5_next_facts(cfg, dtype, lengths: list[int]) -> dict:
 
 def _indexpool_bytes(loaded) -> dict:
     """IndexPool cache bytes per token (all layers) with the default settings and indexer, per storage choice."""
-    import torch
-
-    from model.indexpool import per_token_index_bytes
     from model.indexpool_cache import IndexPoolCache
 
     from .attention import default_indexer, segment_indexer
@@ -833,9 +830,11 @@ def _indexpool_bytes(loaded) -> dict:
         sizes = cache.bytes_per_token()
         parts[f"indexpool_history_kv_{kv_storage}_bytes_per_token"] = sizes["history_kv"]
         parts[f"indexpool_pooled_index_{index_dtype}_bytes_per_token"] = sizes["pooled_index"]
+        if index_dtype == "bf16":  # the same indexers keeping one key per token, for comparison
+            parts["per_token_index_bf16_bytes_per_token"] = cache.unpooled_index_bytes()
     parts["indexpool_indexer"] = type(indexer).__name__
-    # A per-token index of the same width in the layers that hold one (the "full" indexer layers).
-    parts["per_token_index_bf16_bytes_per_token"] = per_token_index_bytes(indexer.key_dim, torch.bfloat16) * len(cache.index_slots)
+    if for_segments is not None:
+        parts["indexpool_segment_indexer"] = type(for_segments).__name__
     parts["indexpool_fixed_bytes"] = cache.fixed_bytes()
     return parts
 

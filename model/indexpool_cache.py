@@ -59,7 +59,7 @@ from kernels import kernel_backend
 from kernels.cpu_attention import native_attention, native_prefill
 
 from .indexers import Indexer
-from .indexpool import FP8_DTYPE, PooledIndexCache, indexer_source_layers, layer_schedule
+from .indexpool import FP8_DTYPE, PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes
 from .llama import LlamaConfig, apply_rope, inverse_frequencies, rope_at
 
 INDEX_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8_DTYPE}
@@ -285,6 +285,12 @@ class IndexPoolCache:
         """Bytes per token over all layers: history K/V, pooled index (amortised over a pool)."""
         return {"history_kv": self.store.bytes_per_token(),
                 "pooled_index": sum(index.bytes_per_token() for index in self.indexes) * len(self.index_slots)}
+
+    def unpooled_index_bytes(self) -> float:
+        """What the pooled index would take per token over all layers as plain DSA keeps it (one key per token, each
+        indexer's width, the same dtype), the comparison for `bytes_per_token()["pooled_index"]`."""
+        indexers = (self.indexer, self.segment_indexer) if self.segment_indexer is not None else (self.indexer,)
+        return sum(per_token_index_bytes(i.key_dim, self.index.dtype) for i in indexers) * len(self.index_slots)
 
     def fixed_bytes(self) -> int:
         """Buffers whose size does not grow with the input: the recent window, the index tail."""

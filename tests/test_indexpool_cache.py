@@ -436,7 +436,24 @@ def test_bytes_per_token_and_memory_parts():
     width = CONFIG.kv_dim
     assert parts["history_kv"] == CONFIG.n_layers * 2 * (width + 4 * CONFIG.n_kv_heads)  # int8 + fp32 scales
     per_token = per_token_index_bytes(width, torch.bfloat16) * CONFIG.n_layers
+    assert cache.unpooled_index_bytes() == per_token
     assert parts["pooled_index"] / per_token == 0.25
+
+
+def test_a_segment_indexers_pooled_index_counts_in_the_bytes():
+    """--indexer hybrid keeps a second pooled index (the segment indexer's own width, in the "full" layers only):
+    both count in the pooled bytes and in the per-token comparison, which stays at 1/kpool."""
+    settings = IndexPoolConfig(**SETTINGS, schedule=["full", "shared"])
+    one = IndexPoolCache(CONFIG, settings, TrainingFreeIndexer(CONFIG), 64, torch.float32)
+    two = IndexPoolCache(CONFIG, settings, TrainingFreeIndexer(CONFIG), 64, torch.float32,
+                         segment_indexer=tiny_lightning_indexer())
+    full_layers = 2  # layers 0 and 2 of 3
+    assert sorted(one.index_slots) == [0, 2]
+    extra = per_token_index_bytes(8, torch.bfloat16) * full_layers  # the tiny lightning indexer's 8-wide keys
+    assert one.unpooled_index_bytes() == per_token_index_bytes(CONFIG.kv_dim, torch.bfloat16) * full_layers
+    assert two.unpooled_index_bytes() == one.unpooled_index_bytes() + extra
+    assert two.bytes_per_token()["pooled_index"] == one.bytes_per_token()["pooled_index"] + extra / 4
+    assert two.bytes_per_token()["pooled_index"] / two.unpooled_index_bytes() == 0.25
 
 
 @pytest.mark.parametrize("start", [20000, 20001, 20003])  # every rounding of the window start
