@@ -76,7 +76,7 @@ def worker(length: int, mode: str, decode: int, threads: int | None, options: di
 
     from model.generate import Session
     from model.indexpool_cache import IndexPoolConfig
-    from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer
+    from indexpool_cli.attention import AttentionChoice, default_indexer, describe_indexers, segment_indexer
     from model.runtime import load_engine, set_threads
 
     set_threads(threads)
@@ -111,7 +111,7 @@ def worker(length: int, mode: str, decode: int, threads: int | None, options: di
         result["per_token_index"] = cache.unpooled_index_bytes()
         result["fixed_bytes"] = cache.fixed_bytes()
         result["kv_storage"] = cache.kv_storage
-        result["indexer"] = type(indexer).__name__
+        result["indexer"] = describe_indexers(indexer, for_segments)
     else:
         result["history_kv"] = config.kv_bytes_per_token(session.cache.k.dtype)
     return result
@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--indexer", default="auto", help="auto, training-free, trained, hybrid or an indexer file")
+    parser.add_argument("--topk", type=int, default=None, help="far tokens each query attends to (default: the engine's)")
     parser.add_argument("--kv-storage", default="auto")
     parser.add_argument("--index-dtype", default="bf16")
     parser.add_argument("--prune-index", action=argparse.BooleanOptionalAction, default=None,
@@ -138,6 +139,8 @@ def main() -> None:
                "indexer": args.indexer, "prune_index": args.prune_index, "schedule": args.schedule}
     if args.segment_block:
         options["segment_block"] = args.segment_block
+    if args.topk:
+        options["topk"] = args.topk
     if args.worker:
         length, mode = args.worker.split(":")
         print(json.dumps(worker(int(length), mode, args.decode, args.threads, options)))
@@ -154,6 +157,7 @@ def main() -> None:
         command += ["--threads", str(args.threads)] if args.threads else []
         command += ["--offload-dir", args.offload_dir] if args.offload_dir else []
         command += ["--segment-block", str(args.segment_block)] if args.segment_block else []
+        command += ["--topk", str(args.topk)] if args.topk else []
         command += ["--schedule", ",".join(args.schedule)]
         command += [] if args.prune_index is None else ["--prune-index" if args.prune_index else "--no-prune-index"]
         done = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # the worker's progress and errors: stderr

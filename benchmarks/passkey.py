@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from model.generate import GenerationStats, SamplingParams, Sampler, Session  # noqa: E402
 from model.indexpool_cache import IndexPoolConfig  # noqa: E402
-from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer  # noqa: E402
+from indexpool_cli.attention import AttentionChoice, default_indexer, describe_indexers, segment_indexer  # noqa: E402
 from model.runtime import load_engine, set_threads  # noqa: E402
 from indexpool_scale import add_schedule_option, add_sink_distance_option, long_read_progress  # noqa: E402  (this script's folder is on sys.path)
 
@@ -86,8 +86,7 @@ def run(args) -> None:
     choice = AttentionChoice(indexer=args.indexer, prune_index=args.prune_index)
     indexer, for_segments = default_indexer(choice, loaded), segment_indexer(choice, loaded)
     rng = random.Random(args.seed)
-    readers = type(indexer).__name__ + (f" (segments: {type(for_segments).__name__})" if for_segments else "")
-    print(f"model {loaded.name}, indexer {readers}, {args.haystack} haystack of {len(hay_ids)} tokens, threads {torch.get_num_threads()}", flush=True)
+    print(f"model {loaded.name}, indexer {describe_indexers(indexer, for_segments)}, {args.haystack} haystack of {len(hay_ids)} tokens, threads {torch.get_num_threads()}", flush=True)
     depths = args.depths
     names = f"{100 * min(depths):.0f}%..{100 * max(depths):.0f}%" if len(depths) > 1 else f"{100 * depths[0]:.0f}%"
     print(f"{'length':>8} {'mode':>9} {'accuracy':>9} {'trials':>6} {'prefill tok/s':>13}  hits per depth ({names})")

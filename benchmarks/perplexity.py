@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from model.generate import Session  # noqa: E402
 from model.indexpool_cache import IndexPoolConfig  # noqa: E402
-from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer  # noqa: E402
+from indexpool_cli.attention import AttentionChoice, default_indexer, describe_indexers, segment_indexer  # noqa: E402
 from model.runtime import load_engine, set_threads  # noqa: E402
 from indexpool_scale import add_schedule_option  # noqa: E402  (this script's folder is on sys.path)
 
@@ -87,7 +87,7 @@ def main() -> None:
     choice = AttentionChoice(indexer=args.indexer, prune_index=args.prune_index)
     indexer, for_segments = default_indexer(choice, loaded), segment_indexer(choice, loaded)
     first_scored = settings[0].sinks + settings[0].topk + settings[0].window + settings[0].kpool
-    print(f"model {loaded.name}, indexer {type(indexer).__name__}; scored: tokens from {first_scored} on; threads {torch.get_num_threads()}")
+    print(f"model {loaded.name}, indexer {describe_indexers(indexer, for_segments)}; scored: tokens from {first_scored} on; threads {torch.get_num_threads()}")
     print(f"{'length':>7} {'scored':>6} {'sink distance':>13} {'dense ppl':>9} {'indexpool ppl':>13} {'change':>7}")
     for length in args.lengths:
         ids = natural_text_ids(loaded.tokenizer, args.offset, length)

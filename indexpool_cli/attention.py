@@ -28,7 +28,7 @@ class AttentionChoice:
     window: Annotated[int, typer.Option("--window", min=1, help="IndexPool: recent tokens always attended.")] = IndexPoolConfig.window
     sinks: Annotated[int, typer.Option("--sinks", min=0, help="IndexPool: first tokens always attended.")] = IndexPoolConfig.sinks
     sink_distance: Annotated[int, typer.Option("--sink-distance", min=0, help="IndexPool: how far back the sinks sit once far tokens are selected (a gap before the far tokens, as far as the model's context allows; 0: right before them). The default keeps them past the distance where the default model makes new attention sinks (docs/benchmarks.md).")] = IndexPoolConfig.sink_distance
-    indexer: Annotated[str, typer.Option("--indexer", help="IndexPool indexer: auto (training-free: it measured better, see docs/benchmarks.md), training-free, trained (the one shipped for the model), hybrid (the trained one chooses what the document's segments attend to, the training-free one what the question and the answer attend to), or an indexer file from `indexpool distill`.")] = "auto"
+    indexer: Annotated[str, typer.Option("--indexer", help="IndexPool indexer: auto (hybrid where a trained indexer is shipped for the model, else training-free: it measured best, see docs/benchmarks.md), training-free, trained (the one shipped for the model), hybrid (the trained one chooses what the document's segments attend to, the training-free one what the question and the answer attend to), or an indexer file from `indexpool distill`.")] = "auto"
     prune_index: Annotated[Optional[bool], typer.Option("--prune-index/--no-prune-index", help="IndexPool, training-free indexer: store the pooled index keys projected onto the directions holding 95% of each layer's key variance (calibrated once per model, ~15 s; docs/benchmarks.md has what it does to recall and speed). Default: on for the training-free indexer.")] = None
     index_dtype: Annotated[str, typer.Option("--index-dtype", help="IndexPool pooled-index storage: bf16, fp16 or fp8.")] = IndexPoolConfig.index_dtype
     kv_storage: Annotated[str, typer.Option("--kv-storage", help="IndexPool history K/V: auto (bf16 while it takes under a quarter of RAM, else int8), bf16, int8, or full (the model's dtype: fp32 on a CPU without bf16).")] = IndexPoolConfig.kv_storage
@@ -52,7 +52,7 @@ def default_indexer(choice: AttentionChoice, loaded):
     from model.indexers import TrainingFreeIndexer
 
     kind = choice.indexer
-    if kind in ("auto", "training-free", "hybrid"):  # auto: the kind that measured better on retrieval (docs/benchmarks.md)
+    if kind in ("auto", "training-free", "hybrid"):  # auto: hybrid, or training-free alone (segment_indexer)
         projection = None
         if choice.prune_index is not False:  # on unless turned off: recall as whole keys, decode at 128K 17% faster
             from model.index_pruning import pruning_projection
@@ -70,8 +70,21 @@ def default_indexer(choice: AttentionChoice, loaded):
 
 def segment_indexer(choice: AttentionChoice, loaded):
     """The indexer choosing what long forwards (the document's segments) attend to when it is not the one
-    `default_indexer` gives: the shipped trained one for --indexer hybrid; None otherwise."""
-    return _lightning_indexer("trained", loaded) if choice.indexer == "hybrid" else None
+    `default_indexer` gives: the shipped trained one for --indexer hybrid, and for auto when one is shipped for this
+    very model file (auto reads as hybrid then: see docs/benchmarks.md); None otherwise."""
+    if choice.indexer not in ("auto", "hybrid"):
+        return None
+    try:
+        return _lightning_indexer("trained", loaded)
+    except InputError:
+        if choice.indexer == "hybrid":
+            raise
+        return None  # auto, and none shipped for this model: the training-free indexer reads the segments too
+
+
+def describe_indexers(indexer, for_segments) -> str:
+    """The indexer's class, and the segments' one when another reads them (hybrid), for a report's header."""
+    return type(indexer).__name__ + (f" (segments: {type(for_segments).__name__})" if for_segments is not None else "")
 
 
 def _lightning_indexer(kind: str, loaded):

@@ -158,6 +158,37 @@ def test_the_shipped_indexer_fits_the_default_model():
     assert (indexer.kpool, indexer.key_dim, indexer.ape.shape) == (4, 32, (30, 4, 32))
 
 
+def test_auto_reads_segments_with_the_shipped_indexer_where_it_fits_the_model():
+    """--indexer auto is hybrid for a model file the shipped trained indexer was distilled from (the default model),
+    training-free alone for any other; --indexer hybrid without a shipped indexer is an input error."""
+    from types import SimpleNamespace
+
+    from indexpool_cli.attention import AttentionChoice, segment_indexer
+    from indexpool_cli.console import InputError
+    from model.default_model import default_model_path
+    from model.gguf_file import read_gguf
+    from model.loader import gguf_config
+
+    path = default_model_path()
+    gguf = read_gguf(path)
+    weights = SimpleNamespace(tok_embeddings=SimpleNamespace(weight=torch.empty(0)))
+
+    def model_file(name, file_bytes):  # what segment_indexer reads of a loaded model
+        return SimpleNamespace(name=name, file_bytes=file_bytes, config=gguf_config(gguf), model=weights)
+
+    default = model_file(str(gguf.metadata["general.name"]), path.stat().st_size)
+    assert isinstance(segment_indexer(AttentionChoice(), default), LightningIndexer)
+    assert isinstance(segment_indexer(AttentionChoice(indexer="hybrid"), default), LightningIndexer)
+    assert segment_indexer(AttentionChoice(indexer="training-free"), default) is None
+    assert segment_indexer(AttentionChoice(indexer="trained"), default) is None  # it chooses for every forward
+    other_quantization = model_file(default.name, default.file_bytes + 1)
+    unknown = model_file("some other model", 1)
+    for loaded in (other_quantization, unknown):
+        assert segment_indexer(AttentionChoice(), loaded) is None
+        with pytest.raises(InputError):
+            segment_indexer(AttentionChoice(indexer="hybrid"), loaded)
+
+
 def test_sparse_pattern_candidates():
     pattern = SparsePattern()  # sinks 64, window 1024, topk 2048, kpool 4
     positions = torch.tensor([100, 1087, 1088, 5000])
