@@ -257,11 +257,11 @@ def main() -> None:
 
     print(f"{loaded.name}, dense {args.dtype}, held-out pydoc topics; sinks {pattern.sinks}, window {pattern.window}, "
           f"top {pattern.topk // pattern.kpool} pools of {pattern.kpool}; {args.positions} queries in the last 10%")
+    choice = AttentionChoice(indexer=args.reader)
+    reader, segment_reader = (None, None) if args.states == "dense" else (default_indexer(choice, loaded),
+                                                                          segment_indexer(choice, loaded))
     for length in lengths:
         t0 = time.perf_counter()
-        choice = AttentionChoice(indexer=args.reader, topk=args.topk)
-        reader, segment_reader = (None, None) if args.states == "dense" else (default_indexer(choice, loaded),
-                                                                              segment_indexer(choice, loaded))
         kept = measure(loaded.model, tokens[:length], args.positions, indexers, pattern, reader, args.schedule,
                        segment_reader)
         print(f"\n{length} tokens ({time.perf_counter() - t0:.0f} s)")

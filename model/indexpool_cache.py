@@ -289,7 +289,7 @@ class IndexPoolCache:
     def unpooled_index_bytes(self) -> float:
         """What the pooled index would take per token over all layers as plain DSA keeps it (one key per token, each
         indexer's width, the same dtype), the comparison for `bytes_per_token()["pooled_index"]`."""
-        indexers = (self.indexer, self.segment_indexer) if self.segment_indexer is not None else (self.indexer,)
+        indexers = [i for i in (self.indexer, self.segment_indexer) if i is not None]
         return sum(per_token_index_bytes(i.key_dim, self.index.dtype) for i in indexers) * len(self.index_slots)
 
     def fixed_bytes(self) -> int:
