@@ -81,6 +81,8 @@ def q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def pack_tiles(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """The kernel's layout (int8_prefill_ceiling.c): per tile of 16 outputs and block, 16 vectors then scales, mins."""
     n, blocks, _ = levels.shape
+    if n % TILE:
+        raise ValueError(f"the measuring kernel takes outputs in tiles of {TILE}, not {n}")
     tiles = n // TILE
     vectors = levels.reshape(tiles, 2, 8, blocks, 8, 4).permute(0, 3, 4, 1, 2, 5).reshape(tiles, blocks, 512)
     scales = scale.reshape(tiles, TILE, blocks).transpose(1, 2).contiguous().view(torch.uint8)
@@ -89,6 +91,7 @@ def pack_tiles(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> 
 
 
 def int8_linear(lib, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    x = x.float().contiguous()  # the kernel reads rows of K in a row
     rows, k = x.shape
     q = torch.empty(rows, k, dtype=torch.int8)
     d, s = torch.empty(rows, k // GROUP), torch.empty(rows, k // GROUP)
