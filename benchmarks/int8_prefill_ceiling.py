@@ -32,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.cpu_attention import median_seconds  # noqa: E402
+from kernels.cpu_linear import int4_levels  # noqa: E402
 from kernels.native_build import build_native  # noqa: E402
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -69,13 +70,9 @@ def library() -> tuple[ctypes.CDLL | None, str]:
 
 
 def q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(levels uint8 (N, K / 32, 32), scales, mins (N, K / 32)): GGUF's Q4_1 blocks, 16 levels from min to max."""
-    n, k = weight.shape
-    blocks = weight.float().reshape(n, k // GROUP, GROUP)
-    low, high = blocks.amin(-1), blocks.amax(-1)
-    scale = ((high - low) / 15).clamp_min(1e-12)
-    levels = torch.round((blocks - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
-    return levels, scale, low
+    """(levels uint8 (N, K / 32, 32), scales, mins (N, K / 32)): GGUF's Q4_1 blocks (`cpu_linear.int4_levels`)."""
+    levels, scale, low = int4_levels(weight)
+    return levels.to(torch.uint8), scale, low
 
 
 def pack_tiles(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:

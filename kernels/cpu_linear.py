@@ -123,17 +123,24 @@ def int4_row_bytes(in_features: int) -> int:
     return -(-in_features // (2 * GROUP)) * PAIR_BYTES
 
 
-def pack_int4(weight: torch.Tensor) -> torch.Tensor:
-    """weight (N, K), K a multiple of 32 -> qweight uint8 (N, int4_row_bytes(K)): per group of 32 along K, 16 levels
-    from the group's minimum to its maximum (as GGUF's Q4_1, which it reproduces exactly up to the fp32 rounding of
-    its fp16 scale and min: none)."""
+def int4_levels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight (N, K), K a multiple of 32 -> (levels int64 (N, K / 32, 32) in 0..15, scale, min (N, K / 32)): per
+    group of 32 along K, 16 levels from the group's minimum to its maximum, w = level * scale + min (as GGUF's Q4_1,
+    which it reproduces exactly up to the fp32 rounding of its fp16 scale and min: none)."""
     n, k = weight.shape
     if k % GROUP:
         raise ValueError(f"int4 needs an input width that is a multiple of {GROUP}, not {k}")
     groups = weight.detach().float().reshape(n, k // GROUP, GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = ((high - low) / 15).clamp_min(1e-12)
-    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int64)
+    return torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int64), scale, low
+
+
+def pack_int4(weight: torch.Tensor) -> torch.Tensor:
+    """weight (N, K), K a multiple of 32 -> qweight uint8 (N, int4_row_bytes(K)): `int4_levels` in the kernel's
+    layout."""
+    q, scale, low = int4_levels(weight)
+    n, k = weight.shape
     if k % (2 * GROUP):  # pad to whole pairs: a block of zeros with scale and min 0
         q = torch.cat([q, q.new_zeros(n, 1, GROUP)], dim=1)
         scale, low = (torch.cat([t, t.new_zeros(n, 1)], dim=1) for t in (scale, low))

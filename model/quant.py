@@ -69,10 +69,8 @@ class DecodeQuantLinear(nn.Module):
             self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8), persistent=False)
             self.register_buffer("scales", scale.to(linear.weight.dtype), persistent=False)
         else:
-            groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
-            low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-            scale = ((high - low) / 15).clamp_min(1e-12)
-            q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+            levels, scale, low = cpu_linear.int4_levels(w)
+            q = levels.to(torch.int32).view(n, k)
             self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2), persistent=False)
             zero = low + 8 * scale  # the kernel computes (q - 8) * scale + zero
             self.register_buffer("scales", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(linear.weight.dtype), persistent=False)
