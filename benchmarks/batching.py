@@ -80,7 +80,7 @@ def main() -> None:
     for name, seconds, results in (("one by one", one_by_one, alone), ("batched", together, batched)):
         print(f"{name:>12} {seconds:8.1f} {sum(r.new_tokens for r in results):11d}")
     print(f"one by one / batched: {one_by_one / together:.2f}x")
-    quoted = [sum(r.quote is not None for r in results) for results in (alone, batched)]
+    quoted = [sum(bool(r.quotes) for r in results) for results in (alone, batched)]
     print(f"answers read with a quote: {quoted[0]}/{len(prompts)} one by one, {quoted[1]}/{len(prompts)} batched")
     same_text = sum(a.text == b.text for a, b in zip(alone, batched))
     same_sources = sum([s["cite"] for s in a.sources] == [s["cite"] for s in b.sources] for a, b in zip(alone, batched))

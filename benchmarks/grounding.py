@@ -149,7 +149,7 @@ def main() -> None:
             hit = code.lower() in answer.lower()
             first = cited_lines(result.sources[0]["cite"]) if result.sources else None
             where = first is not None and first[0] <= line <= first[1]
-            in_quote = result.quote is not None and code.lower() in result.quote["text"].lower()
+            in_quote = any(code.lower() in quoted["text"].lower() for quoted in result.quotes)
             if with_facts:
                 correct += hit
                 cited += where

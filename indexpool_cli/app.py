@@ -243,14 +243,16 @@ def complete(
 def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, run: RunChoice,
                   sampling: SamplingChoice, attention: AttentionChoice, document: DocumentChoice,
                   system: str | None = None, doc=None, loaded=None, remote: RemoteChoice | None = None,
-                  kind: str = "ask", label: str | None = None) -> None:
-    """Read the document once (or restore it from the document cache), then answer the requests: together, as branches
-    of the held document, when the session allows (`jobs.batch_size`), else in turn.
-    `doc` and `loaded` when the caller has them already; `remote` sends the requests to a server instead; `label`
-    names the input in --json (one of several)."""
+                  kind: str = "ask", label: str | None = None, answer: str = "generate") -> None:
+    """Read the document once (or restore it from the document cache), then answer the requests: extracted from
+    the document where `answer` (`jobs.answer_mode`) says so and a passage is found (`jobs.extract_answer`), else
+    generated: together, as branches of the held document, when the session allows (`jobs.batch_size`), else in
+    turn. `doc` and `loaded` when the caller has them already; `remote` sends the requests to a server instead;
+    `label` names the input in --json (one of several). Results are shown in the requests' order."""
     from .attention import available_memory_bytes
-    from .jobs import (PROBE_QUESTION, DocumentTokens, ask_request, batch_size, document_prompt, evidence_baseline,
-                       plain_request, read_document, request_messages, run_batch, run_request, session_identity)
+    from .jobs import (PROBE_QUESTION, DocumentTokens, answer_mode, ask_request, batch_size, document_prompt,
+                       evidence_baseline, extract_answer, plain_request, read_document, request_messages, run_batch,
+                       run_request, session_identity)
 
     doc = doc or document.load(paths)
     for note in doc.notes:
@@ -294,29 +296,47 @@ def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, ru
     baseline = evidence_baseline(session, tok, doc_tokens, prompts[0], probe, identity, doc_cache, description,
                                  lambda m: _warn(m, run))
     read_seconds = time.perf_counter() - t0
+    extracted = [None] * len(prompts)
+    if answer_mode(answer, loaded.model) == "extract":
+        extracted = [extract_answer(session, tok, p, doc, cached, read_seconds, baseline) for p in prompts]
+    shown = 0  # results shown so far, in request order
+
+    def show_extracted(before: int) -> None:  # the extracted results ahead of request `before`
+        for j in range(shown, before):
+            if extracted[j] is not None:
+                show(j, extracted[j])
+
+    def show(i: int, result, streamed: bool = False) -> None:
+        nonlocal shown
+        show_extracted(i)
+        if i:  # the document was read (or restored) once, for the first request; later ones found it held
+            result.cached, result.read_seconds = True, 0.0
+        if not run.json_out and not streamed:
+            sys.stdout.write(("\n" if i else "") + result.text)
+        _show_result(result, plain_request(requests[i]), loaded, run, label)
+        shown = i + 1
+
+    pending = [i for i, result in enumerate(extracted) if result is None]
     budget = min(max_new_tokens, session.max_length - max(p.max_tokens for p in prompts))
-    size = batch_size(session, prompts, budget, available_memory_bytes())
-    done = 0
-    while done < len(prompts):  # every prompt starts with the document, which the session now holds
-        if done and not run.json_out:
-            sys.stdout.write("\n")
+    size = batch_size(session, [prompts[i] for i in pending], budget, available_memory_bytes()) if pending else 1
+    for first in range(0, len(pending), size):  # every prompt starts with the document, which the session holds
+        rows = pending[first : first + size]
         if size > 1:  # decoded together: each answer is shown when the batch is done
-            batch = prompts[done : done + size]
             if run.progress:
-                err_console.print(f"[dim]answering {len(batch)} requests as one batch[/dim]")
-            results = run_batch(session, tok, batch, doc, sampler, budget, cached, read_seconds, baseline)
-        else:
-            on_text = None if run.json_out else _write_stdout
-            results = [run_request(session, tok, prompts[done], doc, sampler, budget, on_text, cached, read_seconds,
-                                   baseline=baseline)]
-        for i, result in enumerate(results, done):
-            if i:  # the document was read (or restored) once, for the first request; later ones found it held
-                result.cached, result.read_seconds = True, 0.0
-            if not run.json_out:
-                if size > 1:
-                    sys.stdout.write(("\n" if i > done else "") + result.text)
-            _show_result(result, plain_request(requests[i]), loaded, run, label)
-        done += len(results)
+                err_console.print(f"[dim]answering {len(rows)} requests as one batch[/dim]")
+            for i, result in zip(rows, run_batch(session, tok, [prompts[i] for i in rows], doc, sampler, budget,
+                                                 cached, read_seconds, baseline)):
+                show(i, result)
+            continue
+        i = rows[0]
+        streamed = not run.json_out
+        if streamed:  # what comes before this answer, as it is written
+            show_extracted(i)
+            if i:
+                sys.stdout.write("\n")
+        show(i, run_request(session, tok, prompts[i], doc, sampler, budget, _write_stdout if streamed else None,
+                            cached, read_seconds, baseline=baseline), streamed)
+    show_extracted(len(prompts))
 
 
 def _show_result(result, request: str, loaded, run: RunChoice, label: str | None = None) -> None:
@@ -369,7 +389,8 @@ def ask(
     path: Annotated[str, typer.Argument(help="A file, a folder, or '-' for stdin.")],
     question: Annotated[Optional[str], typer.Argument(help="The question.")] = None,
     questions: Annotated[Optional[list[str]], typer.Option("--question", "-Q", help="More questions on the same document (repeatable): it is read once, and the questions decode as one batch.")] = None,
-    quote: Annotated[bool, typer.Option("--quote/--no-quote", help="Read the question first, then quote the lines its reading found most (beyond a neutral question's) to the model before it answers (documents over 1,024 tokens, IndexPool; in --json as \"quote\").")] = True,
+    quote: Annotated[bool, typer.Option("--quote/--no-quote", help="Read the question first, then quote to the model the passages its words and its reading point to (beyond a neutral question's) before it answers (documents over 1,024 tokens, IndexPool; in --json as \"quotes\").")] = True,
+    answer: Annotated[str, typer.Option("--answer", help="extract: the answer is the document's passage that the question's words and the model's reading point to most; generate: the model writes it from the document and the quoted passages; auto: extract for models under 1B parameters (the default model's own answers rarely held the fact: docs/benchmarks.md), else generate. --no-quote generates.")] = "auto",
     max_new_tokens: MaxNewOpt = 200,
     run: RunChoice = None,
     sampling: SamplingChoice = None,
@@ -380,16 +401,19 @@ def ask(
     """Answer questions about a document, book, codebase or chat log, citing the pages, lines or messages the
     answer rests on. The whole input is read in one context (IndexPool); a second question on the same input
     starts from the document cache."""
-    from .jobs import ask_request, plain_request
+    from .jobs import ANSWER_MODES, ask_request, plain_request
 
     asked = ([question] if question else []) + list(questions or [])
     if not asked:
         raise typer.BadParameter("give a question (after the path, or with --question)")
     if any(not q.strip() for q in asked):
         raise typer.BadParameter("a question is empty")
+    if answer not in ANSWER_MODES:
+        raise typer.BadParameter(f"--answer must be one of {', '.join(ANSWER_MODES)}, not {answer!r}")
     remote.check()
     requests = [ask_request(q) if quote else plain_request(ask_request(q)) for q in asked]
-    _document_job([path], requests, max_new_tokens, run, sampling, attention, document, remote=remote, kind="ask")
+    _document_job([path], requests, max_new_tokens, run, sampling, attention, document, remote=remote, kind="ask",
+                  answer=answer)
 
 
 @document_command

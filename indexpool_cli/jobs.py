@@ -3,15 +3,20 @@ document cache, generation, and the sources an answer rests on.
 
 Every job reads the document first (or restores it from the document cache), then appends its request: the
 document's tokens come before anything a request changes, so the cached state serves every later question.
-Sources come from what the model attended to: while the question and the answer are read and written, the
-attention probability of every token it attends to (sinks aside: the selected far tokens and the recent window) is
-summed over heads and layers (`AttentionEvidence`); the parts holding the most beyond what a neutral question's
-reading gives them (`evidence_baseline`: some tokens draw attention whatever is asked) are cited.
+Sources come from what the model attended to and, for a question, from its words: while the question and the
+answer are read and written, the attention probability of every token it attends to (sinks aside: the selected far
+tokens and the recent window) is summed over heads and layers (`AttentionEvidence`), and counted beyond what a
+neutral question's reading gives it (`evidence_baseline`: some tokens draw attention whatever is asked); the
+parts of the passages quoted come first (`rank_sources`).
 
-A question is answered in two steps where the document is long enough to have sources: the question is read, the
-lines its reading looked at most (beyond the baseline) are quoted after it (`evidence_quote`), then the answer is
-written. The default model finds the right line far more often than it answers from it at a distance
-(benchmarks/grounding.py at 30K: the first source held the fact 10/10, the answers 4/10; 10/10 with the quote).
+A question is answered in two steps where the document is long enough to have sources: the question is read (its
+attention evidence), then the passages its words, its reading and the model's likelihood of it point to are found
+(`passage_quote`, with the lexical index of indexpool_cli/retrieval.py). The answer is either the best passage
+itself (`extract_answer`, what `--answer auto` gives a small model: the default model wrote answers holding the
+fact far less often than the passage held it) or written by the model after the passages are quoted to it
+(`run_request`, `run_batch`). On real manuals, a codebase and a log (benchmarks/doc_qa.py) attention alone cited
+an index page listing every name; the question's words find the place, the reading and the model tell apart the
+places the words score alike.
 """
 
 from __future__ import annotations
@@ -27,10 +32,25 @@ from model.llama import KVCache
 from model.tensor_cache import TensorCache, cache_key
 from .console import InputError
 from .ingest import Document, Part
+from .retrieval import LexicalIndex, Passage
 
 DOCUMENT_MARK = "\x00DOCUMENT\x00"  # where the document goes in the rendered chat template
 QUOTE_MARK = "\x00QUOTE\x00"  # where an ask request takes the quoted lines (left out where nothing is quoted)
-QUOTE_TOKENS = 96  # most document tokens quoted
+QUOTE_TOKENS = 96  # most document tokens quoted from attention evidence alone (`evidence_quote`)
+# A question whose words the document holds is answered from passages found by its words and its reading together
+# (`passage_quote`): at most QUOTE_PASSAGES of them, PASSAGE_TOKENS each.
+QUOTE_PASSAGES = 2
+PASSAGE_TOKENS = 128
+# A passage's score: its lexical score and its attention evidence, each scaled to the best passage's, and for the
+# RERANK_CANDIDATES best by their words the model's likelihood of the question after the passage (scaled from the
+# least to the most likely candidate: `question_likelihoods`), with these weights. The words find the place; the
+# reading and the model tell apart places the words score alike. On the real-document set (benchmarks/doc_qa.py)
+# the words alone put the right passage first for 51 of 72 questions, attention alone 17, the three together 53
+# (the first source right 61, 23 and 66): docs/benchmarks.md.
+ATTENTION_WEIGHT = 0.1
+MODEL_WEIGHT = 0.25
+RERANK_CANDIDATES = 6
+RERANK_CONTEXT_TOKENS = 200  # of a candidate passage, before the question
 QUOTE_LINE_SHARE = 0.5  # lines next to the best one join the quote when their evidence is this share of its
 # A quote only when the best line holds this many times the evidence of the best line elsewhere: planted facts at
 # 30K stood 3.4-17x above the next line (all right), code questions on a folder 1.0-1.3x (all wrong lines).
@@ -49,11 +69,23 @@ SUMMARY_LENGTHS = {  # what the request asks for, and the new tokens it may take
 
 
 @dataclass
+class DocumentIndex:
+    """A document's lines as tokens and as text, with the lexical index over its parts and passages."""
+
+    lexical: LexicalIndex
+    line_spans: list[tuple[int, int]]  # token range of each line of `lexical.lines`, within the document's ids
+
+    def passage_span(self, passage: Passage) -> tuple[int, int]:
+        return self.line_spans[passage.first_line][0], self.line_spans[passage.last_line - 1][1]
+
+
+@dataclass
 class DocumentTokens:
     """A document encoded part by part, without special tokens (text in it can never act as a control token)."""
 
     ids: list[int]
     part_spans: list[tuple[int, int]]  # token range of each part within ids
+    _index: DocumentIndex | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def encode(cls, tokenizer, document: Document) -> DocumentTokens:
@@ -64,6 +96,24 @@ class DocumentTokens:
             spans.append((start, len(ids)))
         return cls(ids, spans)
 
+    def index(self, tokenizer) -> DocumentIndex:
+        """Lines split at the tokens holding a line break (a part ends a line too), indexed once."""
+        if self._index is None:
+            breaks = tokenizer.line_break_ids
+            lines, line_spans = [], []
+            for part, (start, end) in enumerate(self.part_spans):
+                first = start
+                for position in range(start, end):
+                    if self.ids[position] in breaks or position == end - 1:
+                        lines.append((part, tokenizer.decode(self.ids[first : position + 1])))
+                        line_spans.append((first, position + 1))
+                        first = position + 1
+            texts = [""] * len(self.part_spans)
+            for part, text in lines:
+                texts[part] += text
+            self._index = DocumentIndex(LexicalIndex(texts, lines), line_spans)
+        return self._index
+
 
 @dataclass
 class DocumentPrompt:
@@ -73,11 +123,17 @@ class DocumentPrompt:
     part_spans: list[tuple[int, int]]  # token range of each part
     reusable: int  # leading tokens every request on this document shares (cached)
     quote_at: int | None = None  # where quoted lines go in ids (the request had QUOTE_MARK), else None
+    document: DocumentTokens | None = None  # the document's tokens (and its lexical index)
+    question: str | None = None  # an ask request's question: its words find the passages quoted
+    question_again: list[int] = field(default_factory=list)  # the question's tokens, repeated after a quote
 
     @property
     def max_tokens(self) -> int:
         """Tokens the prompt can grow to: its own, and a quote's (`with_quote`)."""
-        return len(self.ids) + (0 if self.quote_at is None else QUOTE_TOKENS + QUOTE_FRAME_TOKENS)
+        if self.quote_at is None:
+            return len(self.ids)
+        return (len(self.ids) + max(QUOTE_TOKENS, QUOTE_PASSAGES * PASSAGE_TOKENS)
+                + QUOTE_PASSAGES * QUOTE_FRAME_TOKENS + len(self.question_again))
 
 
 def request_messages(request: str, system: str | None = None) -> list[dict]:
@@ -97,23 +153,32 @@ def document_prompt(tokenizer, document: DocumentTokens, messages: list[dict], k
     spans = [(doc_start + start, doc_start + end) for start, end in document.part_spans]
     ids += document.ids
     doc_end = len(ids)
-    quote_at = None
+    quote_at = question = None
     if QUOTE_MARK in tail:
         before, tail = tail.split(QUOTE_MARK)
         ids += tokenizer.encode(before, allow_special=True)
         quote_at = len(ids)
+        if ASK_QUESTION in before:
+            question = before.rsplit(ASK_QUESTION, 1)[1].strip()
     ids += tokenizer.encode(tail, allow_special=True)
-    return DocumentPrompt(ids, doc_start, doc_end, spans, reusable=doc_end - doc_end % kpool, quote_at=quote_at)
+    again = tokenizer.encode(f"{ASK_QUESTION}{question}\n") if question else []
+    return DocumentPrompt(ids, doc_start, doc_end, spans, reusable=doc_end - doc_end % kpool, quote_at=quote_at,
+                          document=document, question=question, question_again=again)
 
 
 QUOTE_FRAME_TOKENS = 16  # room for the quote's frame (QUOTE_OPEN, QUOTE_CLOSE) in `DocumentPrompt.max_tokens`
 
 
 @dataclass
-class Quote:
+class QuotedPassage:
     tokens: list[int]  # document tokens quoted
     start: int  # position of the first in the prompt
     text: str
+
+
+@dataclass
+class Quote:
+    passages: list[QuotedPassage]  # in the order they are quoted, the most likely first
 
 
 def evidence_quote(tokenizer, prompt: DocumentPrompt, evidence: AttentionEvidence,
@@ -151,15 +216,102 @@ def evidence_quote(tokenizer, prompt: DocumentPrompt, evidence: AttentionEvidenc
     while b > a and not tokenizer.decode(ids[b - 1 : b]).strip():  # the line break and spaces after the text
         b -= 1
     text = tokenizer.decode(ids[a:b]).strip()
-    return Quote(ids[a:b], evidence.start + a, text) if text else None
+    return Quote([QuotedPassage(ids[a:b], evidence.start + a, text)]) if text else None
+
+
+def passage_quote(tokenizer, prompt: DocumentPrompt, evidence: AttentionEvidence,
+                  baseline: AttentionEvidence | None, model=None) -> Quote | None:
+    """The passages (a few lines of a part) that the question's words, its reading and the model point to (see
+    ATTENTION_WEIGHT; `model` None: words and reading only), among the RERANK_CANDIDATES best by their words: the
+    best QUOTE_PASSAGES that do not overlap, PASSAGE_TOKENS each at most, best first. When the question's words are
+    nowhere in the document: `evidence_quote`, given a baseline (a document too short for one: None)."""
+    index = prompt.document.index(tokenizer) if prompt.document is not None else None
+    lexical = index.lexical.passage_scores(prompt.question) if index and prompt.question else []
+    if not lexical or max(lexical) <= 0:
+        return evidence_quote(tokenizer, prompt, evidence, baseline) if baseline is not None else None
+    spans = [index.passage_span(p) for p in index.lexical.passages]
+    mass = evidence.beyond(baseline) if baseline is not None else evidence.mass
+    attention = passage_attention(mass, evidence.start - prompt.doc_start, spans)
+    scores = combined(lexical, attention)
+    candidates = [i for i in sorted(range(len(lexical)), key=lambda i: -lexical[i])[:RERANK_CANDIDATES]
+                  if lexical[i] > 0]
+    if model is not None and len(candidates) > 1:
+        contexts = [prompt.document.ids[a : b][:RERANK_CONTEXT_TOKENS] for a, b in (spans[i] for i in candidates)]
+        likelihood = question_likelihoods(model, tokenizer, contexts, prompt.question)
+        low, high = min(likelihood), max(likelihood)
+        for i, value in zip(candidates, likelihood):
+            scores[i] += MODEL_WEIGHT * ((value - low) / (high - low) if high > low else 0.0)
+    chosen: list[Passage] = []
+    for i in sorted(candidates, key=lambda i: -scores[i]):
+        if len(chosen) == QUOTE_PASSAGES:
+            break
+        passage = index.lexical.passages[i]
+        if any(p.part == passage.part and p.first_line < passage.last_line and passage.first_line < p.last_line
+               for p in chosen):
+            continue
+        chosen.append(passage)
+    quoted = []
+    for passage in chosen:
+        a, b = index.passage_span(passage)
+        ids = prompt.document.ids[a : min(b, a + PASSAGE_TOKENS)]
+        while ids and not tokenizer.decode(ids[-1:]).strip():  # the line break and spaces after the text
+            ids = ids[:-1]
+        text = tokenizer.decode(ids).strip()
+        if text:
+            quoted.append(QuotedPassage(ids, prompt.doc_start + a, text))
+    return Quote(quoted) if quoted else None
+
+
+@torch.inference_mode()
+def question_likelihoods(model, tokenizer, contexts: list[list[int]], question: str) -> list[float]:
+    """For each context (a passage's tokens), the mean log-probability the model gives the question's tokens
+    after it and a "Question:" line: how well the passage leads to what is asked (query likelihood). Each is one
+    short dense forward of its own."""
+    from model.generate import Session
+
+    asked = tokenizer.encode(" " + question.strip())
+    lead = tokenizer.encode("\n\nQuestion:")
+    out = []
+    for context in contexts:
+        ids = context + lead + asked
+        session = Session(model, len(ids))
+        logits = model(torch.tensor([ids], device=session.device), 0, session.cache, all_logits=True)[0]
+        first = len(ids) - len(asked)
+        logprobs = torch.log_softmax(logits[first - 1 : len(ids) - 1].float(), dim=-1)
+        out.append(float(logprobs.gather(1, torch.tensor(asked, device=logits.device).view(-1, 1)).mean()))
+    return out
+
+
+def passage_attention(mass: torch.Tensor, offset: int, spans: list[tuple[int, int]]) -> list[float]:
+    """The evidence mass (per token from document position `offset` on) inside each span of document positions."""
+    cumulative = torch.cat([torch.zeros(1), mass.double().cumsum(0)])
+    n = len(mass)
+
+    def at(position: int) -> float:
+        return float(cumulative[min(max(position - offset, 0), n)])
+
+    return [at(b) - at(a) for a, b in spans]
+
+
+def combined(lexical: list[float], attention: list[float]) -> list[float]:
+    """Lexical scores plus ATTENTION_WEIGHT times attention evidence, each scaled to its best."""
+
+    def scaled(values: list[float]) -> list[float]:
+        best = max(values, default=0.0)
+        return [v / best for v in values] if best > 0 else [0.0] * len(values)
+
+    return [a + ATTENTION_WEIGHT * b for a, b in zip(scaled(lexical), scaled(attention))]
 
 
 def with_quote(tokenizer, prompt: DocumentPrompt, quote: Quote | None) -> list[int]:
-    """The prompt's tokens with the quote in its place (as the prompt is, when there is none)."""
+    """The prompt's tokens with the quote in its place (as the prompt is, when there is none): each passage in
+    its frame (QUOTE_OPEN, QUOTE_CLOSE), then the question again, next to the answer (a small model answers what
+    it read last)."""
     if quote is None or prompt.quote_at is None:
         return prompt.ids
     frame = tokenizer.encode(QUOTE_OPEN), tokenizer.encode(QUOTE_CLOSE)
-    return prompt.ids[: prompt.quote_at] + frame[0] + quote.tokens + frame[1] + prompt.ids[prompt.quote_at :]
+    quoted = [token for passage in quote.passages for token in frame[0] + passage.tokens + frame[1]]
+    return prompt.ids[: prompt.quote_at] + quoted + prompt.question_again + prompt.ids[prompt.quote_at :]
 
 
 @dataclass
@@ -174,10 +326,10 @@ class JobResult:
     answer_seconds: float = 0.0  # the request and the generated text
     stop_reason: str = ""
     notes: list[str] = field(default_factory=list)
-    quote: dict | None = None  # the lines quoted to the model before it answered (`evidence_quote`)
+    quotes: list[dict] = field(default_factory=list)  # the passages quoted to the model before it answered
 
     def to_json(self) -> dict:
-        return {"text": self.text, "sources": self.sources, "quote": self.quote,
+        return {"text": self.text, "sources": self.sources, "quotes": self.quotes,
                 "tokens": {"prompt": self.prompt_tokens, "document": self.document_tokens, "new": self.new_tokens},
                 "cached": self.cached, "stop_reason": self.stop_reason,
                 "timings": {"read_seconds": round(self.read_seconds, 3), "answer_seconds": round(self.answer_seconds, 3)},
@@ -232,18 +384,53 @@ def read_document(session, prompt: DocumentPrompt, identity: dict, doc_cache: Te
 
 
 def rank_sources(evidence: AttentionEvidence, prompt: DocumentPrompt, document: Document,
-                 baseline: AttentionEvidence | None = None) -> list[dict]:
-    """The parts with the most evidence mass (beyond the baseline's, when given), at least SOURCE_SHARE of the
-    best, best first."""
+                 baseline: AttentionEvidence | None = None, tokenizer=None, answer: str = "",
+                 quote: Quote | None = None) -> list[dict]:
+    """The parts an answer rests on, at most MAX_SOURCES: first the parts of the passages quoted to the model (in
+    the order quoted: what it was given to answer from), then the parts with the most attention evidence of the
+    question's and the answer's reading (beyond the baseline's, when given), for an ask request plus the
+    question's words (`combined`), each at least SOURCE_SHARE of the best. Each source gives its part's location
+    and its passage that was quoted, else its lines that best match the question and the answer."""
     beyond = evidence.beyond(baseline) if baseline is not None else None
-    masses = [evidence.span_mass(start, end, beyond) for start, end in prompt.part_spans]
-    total = sum(masses)
+    attention = [evidence.span_mass(start, end, beyond) for start, end in prompt.part_spans]
+    index = prompt.document.index(tokenizer) if tokenizer and prompt.document is not None and prompt.question else None
+    scores = combined(index.lexical.part_scores(prompt.question), attention) if index is not None else attention
+    total = sum(scores)
     if not total:
         return []
-    order = sorted(range(len(masses)), key=lambda i: masses[i], reverse=True)
-    best = masses[order[0]]
-    return [{"cite": document.parts[i].cite, "source": document.parts[i].source, "share": round(masses[i] / total, 4)}
-            for i in order[:MAX_SOURCES] if masses[i] >= SOURCE_SHARE * best]
+    quoted = [part_of(prompt, passage.start) for passage in quote.passages] if quote is not None else []
+    ranked = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
+    best = scores[ranked[0]]
+    order = list(dict.fromkeys(quoted + [i for i in ranked if scores[i] >= SOURCE_SHARE * best]))
+    sources = []
+    for i in order[:MAX_SOURCES]:
+        part = document.parts[i]
+        source = {"cite": part.cite, "source": part.source, "share": round(scores[i] / total, 4),
+                  "location": part.location()}
+        if index is not None:
+            source["text"] = cited_passage(index, i, prompt, quote, f"{prompt.question}\n{answer}")
+        sources.append(source)
+    return sources
+
+
+def part_of(prompt: DocumentPrompt, position: int) -> int:
+    """The index of the part holding prompt position `position`."""
+    return next(i for i, (start, end) in enumerate(prompt.part_spans) if start <= position < end)
+
+
+def cited_passage(index: DocumentIndex, part: int, prompt: DocumentPrompt, quote: Quote | None, words: str) -> str:
+    """The text a source shows for part `part`: its passage that was quoted, else the passage of it whose words
+    best match `words` (its first when none does)."""
+    start, end = prompt.part_spans[part]
+    for passage in quote.passages if quote else []:
+        if start <= passage.start < end:
+            return passage.text
+    own = [i for i, p in enumerate(index.lexical.passages) if p.part == part]
+    if not own:
+        return ""
+    scores = index.lexical.passage_scores(words)
+    best = index.lexical.passages[max(own, key=lambda i: scores[i])]
+    return "".join(text for _, text in index.lexical.lines[best.first_line : best.last_line]).strip()
 
 
 def request_evidence(cache, prompt: DocumentPrompt) -> AttentionEvidence | None:
@@ -264,15 +451,15 @@ def request_evidence(cache, prompt: DocumentPrompt) -> AttentionEvidence | None:
 def job_result(text: str, stats, prompt: DocumentPrompt, document: Document,
                evidence: AttentionEvidence | None, with_sources: bool, cached: bool, read_seconds: float,
                answer_seconds: float, baseline: AttentionEvidence | None = None,
-               quote: Quote | None = None) -> JobResult:
+               quote: Quote | None = None, tokenizer=None) -> JobResult:
     result = JobResult(text, prompt_tokens=stats.prompt_tokens,
                        document_tokens=prompt.doc_end - prompt.doc_start, new_tokens=stats.new_tokens, cached=cached,
                        read_seconds=read_seconds, answer_seconds=answer_seconds, stop_reason=stats.stop_reason)
-    if quote is not None:
-        part = next(i for i, (start, end) in enumerate(prompt.part_spans) if start <= quote.start < end)
-        result.quote = {"text": quote.text, "cite": document.parts[part].cite}
+    for passage in quote.passages if quote is not None else []:
+        part = document.parts[part_of(prompt, passage.start)]
+        result.quotes.append({"text": passage.text, "cite": part.cite, "location": part.location()})
     if evidence is not None:
-        result.sources = rank_sources(evidence, prompt, document, baseline)
+        result.sources = rank_sources(evidence, prompt, document, baseline, tokenizer, text, quote)
     elif with_sources:
         result.notes.append("no sources: they come from IndexPool attention (this run used the model's own "
                             "attention; --attention indexpool gives them on llama-family models)")
@@ -298,9 +485,9 @@ def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, 
     t0 = time.perf_counter()
     try:
         ids = prompt.ids
-        if quotes(prompt, evidence, baseline):
+        if quotes(prompt, evidence):
             session.prefill(prompt.ids[: prompt.quote_at])
-            quote = evidence_quote(tokenizer, prompt, evidence, baseline)
+            quote = passage_quote(tokenizer, prompt, evidence, baseline, session.model)
             ids = with_quote(tokenizer, prompt, quote)
             session.read_shared(ids)  # `generate` reads the last token
         for token in session.generate(ids, sampler, max_new_tokens, tokenizer.stop_ids, stats):
@@ -314,12 +501,12 @@ def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, 
         if evidence is not None:
             cache.evidence = None
     return job_result("".join(pieces), stats, prompt, document, evidence, with_sources, cached, read_seconds,
-                      time.perf_counter() - t0, baseline, quote)
+                      time.perf_counter() - t0, baseline, quote, tokenizer)
 
 
-def quotes(prompt: DocumentPrompt, evidence: AttentionEvidence | None, baseline: AttentionEvidence | None) -> bool:
+def quotes(prompt: DocumentPrompt, evidence: AttentionEvidence | None) -> bool:
     """Whether a request is read in two steps, quoting what its first step found (see `run_request`)."""
-    return prompt.quote_at is not None and evidence is not None and baseline is not None
+    return prompt.quote_at is not None and evidence is not None
 
 
 MAX_BATCH = 16  # requests per batch: each step's cost grows with the batch once the weights are amortised
@@ -368,14 +555,14 @@ def run_batch(session, tokenizer, prompts: list[DocumentPrompt], document: Docum
     `run_request` reads it (in two steps where it quotes); answer seconds are each request's reading plus the
     batch's decoding."""
     evidence = [request_evidence(session.cache, p) for p in prompts]
-    quoting = [quotes(p, found, baseline) for p, found in zip(prompts, evidence)]
+    quoting = [quotes(p, found) for p, found in zip(prompts, evidence)]
     found_quotes: list[Quote | None] = [None] * len(prompts)
 
     def then_read(b: int) -> list[int]:  # after the first step of a quoting request: the quote and the rest
         prompt = prompts[b]
         if not quoting[b]:
             return []
-        found_quotes[b] = evidence_quote(tokenizer, prompt, evidence[b], baseline)
+        found_quotes[b] = passage_quote(tokenizer, prompt, evidence[b], baseline, session.model)
         return with_quote(tokenizer, prompt, found_quotes[b])[prompt.quote_at :]
 
     heads = [p.ids[: p.quote_at] if q else p.ids for p, q in zip(prompts, quoting)]
@@ -385,8 +572,50 @@ def run_batch(session, tokenizer, prompts: list[DocumentPrompt], document: Docum
     results = []
     for (tokens, stats), prompt, found, quote in zip(outputs, prompts, evidence, found_quotes):
         results.append(job_result(generated_text(tokenizer, tokens), stats, prompt, document, found, True, cached,
-                                  read_seconds, stats.prefill_seconds + stats.decode_seconds, baseline, quote))
+                                  read_seconds, stats.prefill_seconds + stats.decode_seconds, baseline, quote,
+                                  tokenizer))
     return results
+
+
+ANSWER_MODES = ("auto", "extract", "generate")
+# --answer auto: extractive answers for models below this many parameters. The default model (135M) wrote an answer
+# holding the fact for 2 of 12 questions on a real manual with the right passage quoted to it, and the passage
+# itself held it for 8 (benchmarks/doc_qa.py, docs/benchmarks.md).
+EXTRACT_MAX_PARAMETERS = 1_000_000_000
+
+
+def answer_mode(mode: str, model) -> str:
+    """--answer: extract (the document's passage that answers), generate (the model writes the answer), or auto."""
+    if mode not in ANSWER_MODES:
+        raise InputError(f"--answer must be one of {', '.join(ANSWER_MODES)}, not {mode!r}")
+    if mode != "auto":
+        return mode
+    return "extract" if sum(p.numel() for p in model.parameters()) < EXTRACT_MAX_PARAMETERS else "generate"
+
+
+def extract_answer(session, tokenizer, prompt: DocumentPrompt, document: Document, cached: bool,
+                   read_seconds: float, baseline: AttentionEvidence | None) -> JobResult | None:
+    """An extractive answer: the question is read after the held document (its attention evidence), and the
+    answer is the passage its words and its reading point to most (`passage_quote`), cited with the others
+    quoted. None when the request has no question to quote for or nothing is found (generate instead)."""
+    from model.generate import GenerationStats
+
+    evidence = request_evidence(session.cache, prompt)
+    if not quotes(prompt, evidence):
+        return None
+    t0 = time.perf_counter()
+    session.cache.evidence = evidence
+    try:
+        session.prefill(prompt.ids[: prompt.quote_at])
+    finally:
+        session.cache.evidence = None
+    quote = passage_quote(tokenizer, prompt, evidence, baseline, session.model)
+    session.tokens = session.tokens[: session.cache.truncate(prompt.reusable)]  # the document alone again
+    if quote is None:
+        return None
+    stats = GenerationStats(prompt_tokens=prompt.quote_at, stop_reason="extracted")
+    return job_result(quote.passages[0].text, stats, prompt, document, evidence, True, cached, read_seconds,
+                      time.perf_counter() - t0, baseline, quote, tokenizer)
 
 
 PROBE_QUESTION = "What is this document about?"  # asks about nothing in particular: the sources' baseline
@@ -425,9 +654,12 @@ def evidence_baseline(session, tokenizer, document: DocumentTokens, prompt: Docu
     return baseline if baseline.queries else None
 
 
+ASK_QUESTION = "Question: "
+
+
 def ask_request(question: str) -> str:
     """A question, with a place for the quote (QUOTE_MARK: see `plain_request`)."""
-    return f"Question: {question}\n{QUOTE_MARK}Answer in one short sentence, with the exact words of the document above."
+    return f"{ASK_QUESTION}{question}\n{QUOTE_MARK}Answer in one short sentence, with the exact words of the document above."
 
 
 def plain_request(request: str) -> str:

@@ -20,6 +20,7 @@ seeded): the same request on the same document, server, model and sampling is an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import http.client
 import os
@@ -597,10 +598,10 @@ class RemoteJob:
             text = part.text
             while self.estimate(text) > budget:
                 cut = text.rfind("\n", most_chars // 2, most_chars) + 1 or most_chars
-                parts.append(Part(text[:cut], part.source, part.cite))
+                parts.append(dataclasses.replace(part, text=text[:cut]))
                 text = text[cut:]
             if text:
-                parts.append(Part(text, part.source, part.cite))
+                parts.append(dataclasses.replace(part, text=text))
         return parts
 
 

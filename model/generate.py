@@ -67,7 +67,7 @@ class GenerationStats:
     new_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    stop_reason: str = ""  # "stop_token", "max_new_tokens" or "context_full"
+    stop_reason: str = ""  # "stop_token", "max_new_tokens", "context_full" (or a job's "extracted": no generation)
     drafted: int = 0  # speculative decoding (`SpeculativeSession`): drafts checked, and kept
     accepted: int = 0
 

@@ -37,20 +37,33 @@ def first_and_second_ask(report, cache_dir):
 
 def test_ask_answers_from_the_document_and_cites_the_fact_line(first_and_second_ask, report):
     first, _ = first_and_second_ask
-    assert "41729" in first["text"]
-    assert first["tokens"]["document"] > 1000 and first["tokens"]["new"] >= 1
+    # The default model's answer is extracted (--answer auto): the passage the question points to, cited.
+    assert "41729" in first["text"] and FACT in first["text"] and first["stop_reason"] == "extracted"
+    assert first["tokens"]["document"] > 1000 and first["tokens"]["new"] == 0
     assert first["sources"], first
     fact_line = report.read_text().splitlines().index(FACT) + 1
     start, end = map(int, first["sources"][0]["cite"].rsplit(":", 1)[1].split("-"))
     assert start <= fact_line <= end, first["sources"]
-    # The question's reading found the fact's line, which was quoted to the model before it answered.
-    assert first["quote"] == {"text": FACT, "cite": first["sources"][0]["cite"]}
+    # The question's words and reading found the fact's lines, which were quoted to the model before it answered,
+    # and the source gives them with its structured location.
+    quoted = first["quotes"][0]
+    assert FACT in quoted["text"] and quoted["cite"] == first["sources"][0]["cite"]
+    assert first["sources"][0]["location"] == quoted["location"] == {"lines": [start, end]}
+    assert FACT in first["sources"][0]["text"] and first["sources"][0]["source"] == str(report)
+
+
+def test_ask_with_a_generated_answer(report, cache_dir):
+    out = json.loads(ok(indexpool("ask", str(report), QUESTION, "--answer", "generate", "--json", "--quiet",
+                                  "--cache-dir", str(cache_dir), "-n", "24")))
+    assert out["tokens"]["new"] >= 1 and out["stop_reason"] != "extracted"
+    assert FACT in out["quotes"][0]["text"]  # quoted to the model before it wrote its answer
+    assert "41729" in out["text"]
 
 
 def test_ask_without_the_quote(report):
     out = json.loads(ok(indexpool("ask", str(report), QUESTION, "--no-quote", "--json", "--quiet", "--no-cache",
                                   "-n", "8")))
-    assert out["quote"] is None and out["sources"]
+    assert out["quotes"] == [] and out["sources"]
     assert out["request"] == f"Question: {QUESTION}\nAnswer in one short sentence, with the exact words of the document above."
 
 
@@ -99,7 +112,7 @@ def test_questions_answered_as_one_batch_match_one_by_one(report):
     1.5e-4: an answer cut at -n counts the same queries both ways (when the forward of its last token counted too
     alone, they differed by up to 0.0022)."""
     questions = [QUESTION, "What is the glass tower?", "What does the pass statement do?"]
-    args = ("--json", "--quiet", "--no-cache", "-n", "16", "--dtype", "fp32")
+    args = ("--json", "--quiet", "--no-cache", "-n", "16", "--dtype", "fp32", "--answer", "generate")
     folder, name = report.parent, report.name
     out = ok(indexpool("ask", name, questions[0], "-Q", questions[1], "-Q", questions[2], *args, cwd=folder))
     batched = [json.loads(line) for line in out.splitlines()]
@@ -126,6 +139,22 @@ def test_summarize_a_pdf_cites_pages(tmp_path):
                                      "-n", "30")))
     assert result["text"].strip() and result["tokens"]["new"] >= 1
     assert result["sources"] and all(s["cite"].startswith(f"{path} p. ") for s in result["sources"])
+
+
+def test_ask_a_pdf_extracts_and_cites_the_page_with_its_location(tmp_path):
+    """A short PDF (its words decide: a document this short has no neutral question's baseline): the answer is the
+    passage of the page that holds the fact, cited with its page as a structured location and the passage's text."""
+    pages = [["The harbour office opens at six.", "Ships unload grain at the north pier."],
+             ["The lighthouse keeper is Ilse Morrow.", "She keeps the lamp lit all night."],
+             ["The ferry to Kelp Island leaves from pier 12.", "Tickets cost four crowns."]]
+    path = tmp_path / "harbour.pdf"
+    path.write_bytes(pdf_bytes(pages))
+    result = json.loads(ok(indexpool("ask", str(path), "Who is the lighthouse keeper?", "--json", "--quiet",
+                                     "--no-cache")))
+    assert "Ilse Morrow" in result["text"] and result["stop_reason"] == "extracted"
+    first = result["sources"][0]
+    assert first["location"] == {"page": 2} and first["cite"] == f"{path} p. 2" and first["source"] == str(path)
+    assert "Ilse Morrow" in first["text"] and result["quotes"][0]["location"] == {"page": 2}
 
 
 def write_notes(directory: Path) -> list[Path]:

@@ -57,23 +57,26 @@ def test_the_line_with_the_most_evidence_is_quoted_in_its_place(default_tokenize
     document, prompt = prompt
     evidence, baseline = evidence_on(prompt, {6: 0.05, 2: 0.02}, default_tokenizer)
     quote = evidence_quote(default_tokenizer, prompt, evidence, baseline)
-    assert quote.text == LINES[6]
-    assert quote.start == line_tokens(default_tokenizer, prompt, 6).start
+    [passage] = quote.passages
+    assert passage.text == LINES[6]
+    assert passage.start == line_tokens(default_tokenizer, prompt, 6).start
     ids = with_quote(default_tokenizer, prompt, quote)
     opening = default_tokenizer.encode(QUOTE_OPEN)
     assert ids[: prompt.quote_at] == prompt.ids[: prompt.quote_at]
     assert ids[len(ids) - (len(prompt.ids) - prompt.quote_at):] == prompt.ids[prompt.quote_at:]
     quoted = default_tokenizer.decode(ids[prompt.quote_at : len(ids) - (len(prompt.ids) - prompt.quote_at)])
-    assert quoted == f"{QUOTE_OPEN}{LINES[6]}{QUOTE_CLOSE}" and ids[prompt.quote_at:][: len(opening)] == opening
+    # The quote, then the question again, next to the answer.
+    assert quoted == f"{QUOTE_OPEN}{LINES[6]}{QUOTE_CLOSE}Question: What is the bell?\n"
+    assert ids[prompt.quote_at:][: len(opening)] == opening
 
 
 def test_neighbouring_lines_with_half_the_evidence_join_the_quote(default_tokenizer, prompt):
     _, prompt = prompt
     joined = evidence_quote(default_tokenizer, prompt, *evidence_on(prompt, {4: 0.05, 5: 0.03, 7: 0.02},
                                                                       default_tokenizer))
-    assert joined.text == f"{LINES[4]}\n{LINES[5]}"  # line 7 is not next to the quoted lines
+    assert joined.passages[0].text == f"{LINES[4]}\n{LINES[5]}"  # line 7 is not next to the quoted lines
     alone = evidence_quote(default_tokenizer, prompt, *evidence_on(prompt, {4: 0.05, 5: 0.02}, default_tokenizer))
-    assert alone.text == LINES[4]
+    assert alone.passages[0].text == LINES[4]
 
 
 def test_a_quote_is_at_most_quote_tokens_around_the_evidence(default_tokenizer):
@@ -87,7 +90,8 @@ def test_a_quote_is_at_most_quote_tokens_around_the_evidence(default_tokenizer):
     secret = prompt.doc_start + len(default_tokenizer.encode(long_line.split(" the secret")[0])) + 2
     evidence.add(torch.arange(secret - 3, secret + 3), torch.ones(6))
     quote = evidence_quote(default_tokenizer, prompt, evidence, baseline)
-    assert len(quote.tokens) <= QUOTE_TOKENS and "the secret is 77" in quote.text
+    [passage] = quote.passages
+    assert len(passage.tokens) <= QUOTE_TOKENS and "the secret is 77" in passage.text
 
 
 def test_nothing_is_quoted_when_nothing_stands_out(default_tokenizer, prompt):
@@ -96,6 +100,6 @@ def test_nothing_is_quoted_when_nothing_stands_out(default_tokenizer, prompt):
     assert evidence_quote(default_tokenizer, prompt, evidence, baseline) is None
     # Two lines far apart with about the same evidence: neither stands out (less than QUOTE_MIN_RATIO times)
     assert evidence_quote(default_tokenizer, prompt, *evidence_on(prompt, {1: 0.05, 8: 0.03}, default_tokenizer)) is None
-    assert evidence_quote(default_tokenizer, prompt, *evidence_on(prompt, {1: 0.05, 8: 0.02}, default_tokenizer)).text \
-        == LINES[1]
+    assert evidence_quote(default_tokenizer, prompt, *evidence_on(prompt, {1: 0.05, 8: 0.02},
+                                                                     default_tokenizer)).passages[0].text == LINES[1]
     assert with_quote(default_tokenizer, prompt, None) == prompt.ids

@@ -39,9 +39,9 @@ def test_pdf_one_part_per_page_with_markers_and_blank_page_noted(workdir):
     (workdir / "book.pdf").write_bytes(pdf_bytes(BOOK_PAGES))
     document = load_document(["book.pdf"])
     assert document.parts == [
-        Part("[Page 1]\nAlpha beta gamma\nhyphen-\nated word\n", "book.pdf", "book.pdf p. 1"),
-        Part("[Page 3]\nPage (three)\n", "book.pdf", "book.pdf p. 3"),
-        Part("[Page 4]\nLast page\n", "book.pdf", "book.pdf p. 4"),
+        Part("[Page 1]\nAlpha beta gamma\nhyphen-\nated word\n", "book.pdf", "book.pdf p. 1", page=1),
+        Part("[Page 3]\nPage (three)\n", "book.pdf", "book.pdf p. 3", page=3),
+        Part("[Page 4]\nLast page\n", "book.pdf", "book.pdf p. 4", page=4),
     ]
     assert document.notes == ["book.pdf: page 2 has no text (scanned?)"]
     assert document.skipped == []
@@ -84,7 +84,7 @@ def test_pdf_with_no_text_at_all_asks_for_ocr(workdir):
 
 def test_pdf_encrypted_with_an_empty_user_password_opens_without_asking(workdir):
     (workdir / "locked.pdf").write_bytes(encrypted_pdf_bytes([["Owner only"]], user_password="", algorithm="RC4-128"))
-    assert load_document(["locked.pdf"]).parts == [Part("[Page 1]\nOwner only\n", "locked.pdf", "locked.pdf p. 1")]
+    assert load_document(["locked.pdf"]).parts == [Part("[Page 1]\nOwner only\n", "locked.pdf", "locked.pdf p. 1", page=1)]
 
 
 def test_pdf_encrypted_with_a_user_password(workdir):
@@ -107,7 +107,7 @@ def test_pdf_that_is_not_a_pdf(workdir):
 
 def test_pdf_from_stdin_is_recognised_by_its_content():
     document = load_document(["-"], stdin=io.BytesIO(pdf_bytes([["From a pipe"]])))
-    assert document.parts == [Part("[Page 1]\nFrom a pipe\n", "-", "stdin p. 1")]
+    assert document.parts == [Part("[Page 1]\nFrom a pipe\n", "-", "stdin p. 1", page=1)]
 
 
 # --- plain text, Markdown, HTML, encodings ---
@@ -133,7 +133,7 @@ def test_text_without_paragraph_breaks_is_cut_at_40_lines(workdir):
 
 def test_text_single_line_marker_and_cite(workdir):
     (workdir / "one.txt").write_text("\n\n  just this  \n\n")
-    assert load_document(["one.txt"]).parts == [Part("[one.txt line 3]\n  just this\n", "one.txt", "one.txt:3")]
+    assert load_document(["one.txt"]).parts == [Part("[one.txt line 3]\n  just this\n", "one.txt", "one.txt:3", lines=(3, 3))]
 
 
 def test_markdown_is_kept_as_written(workdir):
@@ -162,19 +162,19 @@ def test_html_is_reduced_to_its_visible_text(workdir):
     expected = ("Main & title\n\nFirst paragraph spans lines.\n\n- one\n- two <b>\n\na | b\nc\n\n  keep\n    indent\n"
                 "\nx\ny\n")
     # Line numbers count lines of the extracted text.
-    assert document.parts == [Part("[page.html lines 1-15]\n" + expected, "page.html", "page.html:1-15")]
+    assert document.parts == [Part("[page.html lines 1-15]\n" + expected, "page.html", "page.html:1-15", lines=(1, 15))]
 
 
 def test_stdin_text_and_html():
     document = load_document(["-"], stdin=io.BytesIO(b"first\nsecond\n"))
-    assert document.parts == [Part("[stdin lines 1-2]\nfirst\nsecond\n", "-", "stdin:1-2")]
+    assert document.parts == [Part("[stdin lines 1-2]\nfirst\nsecond\n", "-", "stdin:1-2", lines=(1, 2))]
     html = load_document(["-"], stdin=io.BytesIO(b"<!doctype html><p>Hi <b>there</b></p>"))
     assert html.text == "[stdin line 1]\nHi there\n"
 
 
 def test_forced_format_code_frames_stdin_with_numbered_lines():
     document = load_document(["-"], IngestOptions(format="code"), stdin=io.BytesIO(b"x = 1\n\ny = 2\n"))
-    assert document.parts == [Part("=== stdin ===\n1| x = 1\n2|\n3| y = 2\n", "-", "stdin:1-3")]
+    assert document.parts == [Part("=== stdin ===\n1| x = 1\n2|\n3| y = 2\n", "-", "stdin:1-3", lines=(1, 3))]
 
 
 # --- EPUB ---
@@ -186,9 +186,9 @@ def test_epub_chapters_in_spine_order_with_titles(workdir):
     document = load_document(["book.epub"])
     # The cover (an image only) takes no chapter number; without h1/h2 the <title> names the chapter.
     assert document.parts == [
-        Part("[Chapter 1: The Start]\nThe Start\n\nIt began.\n", "book.epub", "book.epub ch. 1"),
-        Part("[Chapter 2: Book]\nNo heading here.\n", "book.epub", "book.epub ch. 2"),
-        Part("[Chapter 3: Third]\nThird\n\nEnds & done.\n", "book.epub", "book.epub ch. 3"),
+        Part("[Chapter 1: The Start]\nThe Start\n\nIt began.\n", "book.epub", "book.epub ch. 1", chapter=1),
+        Part("[Chapter 2: Book]\nNo heading here.\n", "book.epub", "book.epub ch. 2", chapter=2),
+        Part("[Chapter 3: Third]\nThird\n\nEnds & done.\n", "book.epub", "book.epub ch. 3", chapter=3),
     ]
 
 
@@ -276,14 +276,14 @@ def test_several_folders_are_named_in_paths(workdir):
         (workdir / folder).mkdir()
         (workdir / folder / "x.py").write_text(f"print('{folder}')\n")
     document = load_document(["a", "b"])
-    assert document.parts == [Part("=== a/x.py ===\n1| print('a')\n", "a/x.py", "a/x.py:1"),
-                              Part("=== b/x.py ===\n1| print('b')\n", "b/x.py", "b/x.py:1")]
+    assert document.parts == [Part("=== a/x.py ===\n1| print('a')\n", "a/x.py", "a/x.py:1", lines=(1, 1)),
+                              Part("=== b/x.py ===\n1| print('b')\n", "b/x.py", "b/x.py:1", lines=(1, 1))]
 
 
 def test_single_source_file_is_framed_like_a_codebase_file(workdir):
     (workdir / "script.py").write_text("import os\nprint(os.name)\n")
     assert load_document(["script.py"]).parts == [
-        Part("=== script.py ===\n1| import os\n2| print(os.name)\n", "script.py", "script.py:1-2")]
+        Part("=== script.py ===\n1| import os\n2| print(os.name)\n", "script.py", "script.py:1-2", lines=(1, 2))]
 
 
 def test_folder_with_nothing_readable(workdir):
@@ -322,7 +322,8 @@ JSON_PARTS = [
 def test_chat_json_and_jsonl(workdir, file_name, encode):
     (workdir / file_name).write_text(encode(JSON_MESSAGES))
     document = load_document([file_name])
-    assert document.parts == [Part(text, file_name, f"{file_name} {where}") for text, where in JSON_PARTS]
+    assert document.parts == [Part(text, file_name, f"{file_name} {where}", message=number)
+                              for number, (text, where) in enumerate(JSON_PARTS, start=1)]
 
 
 def test_chatgpt_export_follows_the_current_branch(workdir):
@@ -330,11 +331,11 @@ def test_chatgpt_export_follows_the_current_branch(workdir):
     document = load_document(["conversations.json"])
     assert document.parts == [
         Part("=== Trip plan ===\n[2026-03-01 10:22] user: Where should we go?\n", "conversations.json",
-             "conversations.json 2026-03-01 10:22 user"),
+             "conversations.json 2026-03-01 10:22 user", message=1),
         Part("[2026-03-01 10:24] assistant: New answer: Lisbon.\n", "conversations.json",
-             "conversations.json 2026-03-01 10:24 assistant"),
-        Part("=== Recipe ===\nuser: Soup?\n", "conversations.json", "conversations.json #3 user"),
-        Part("assistant: Tomato.\n", "conversations.json", "conversations.json #4 assistant"),
+             "conversations.json 2026-03-01 10:24 assistant", message=2),
+        Part("=== Recipe ===\nuser: Soup?\n", "conversations.json", "conversations.json #3 user", message=3),
+        Part("assistant: Tomato.\n", "conversations.json", "conversations.json #4 assistant", message=4),
     ]
     assert "Rome" not in document.text
 
@@ -366,13 +367,14 @@ def test_chatgpt_export_without_current_node_follows_the_newest_replies(workdir)
 def test_chat_plain_logs(workdir, log, expected):
     (workdir / "chat.txt").write_text(log)
     document = load_document(["chat.txt"])
-    assert document.parts == [Part(text, "chat.txt", f"chat.txt {where}") for text, where in expected]
+    assert document.parts == [Part(text, "chat.txt", f"chat.txt {where}", message=number)
+                              for number, (text, where) in enumerate(expected, start=1)]
 
 
 def test_json_that_is_not_a_chat_is_text(workdir):
     (workdir / "config.json").write_text('{"name": "demo", "version": 1}\n')
     assert load_document(["config.json"]).parts == [
-        Part('[config.json line 1]\n{"name": "demo", "version": 1}\n', "config.json", "config.json:1")]
+        Part('[config.json line 1]\n{"name": "demo", "version": 1}\n', "config.json", "config.json:1", lines=(1, 1))]
     (workdir / "notes.md").write_text("Just notes.\n")
     expect_error(["notes.md"], "notes.md does not look like a chat log (JSON or JSONL messages, a ChatGPT export, "
                                "or 'date time - name: text' lines): drop --format chat to read it as text",
@@ -390,7 +392,7 @@ def test_several_inputs_are_concatenated_in_order(workdir):
     assert cites(document) == ["book.pdf p. 1", "notes.txt:1", "stdin:1"]
     assert [part.source for part in document.parts] == ["book.pdf", "notes.txt", "-"]
     piped_pdf = load_document(["notes.txt", "-"], stdin=io.BytesIO(pdf_bytes([["Piped page"]])))
-    assert piped_pdf.parts[1] == Part("=== stdin ===\n[Page 1]\nPiped page\n", "-", "stdin p. 1")
+    assert piped_pdf.parts[1] == Part("=== stdin ===\n[Page 1]\nPiped page\n", "-", "stdin p. 1", page=1)
     assert document.notes == ["--pages applies to PDFs only: ignored for notes.txt",
                               "--pages applies to PDFs only: ignored for stdin"]
 

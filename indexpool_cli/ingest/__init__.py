@@ -57,6 +57,18 @@ class Part:
     text: str  # what the model reads, marker included; ends with "\n"
     source: str  # display path as the user gave it ("book.pdf", "src/app.py" inside a folder, "-" for stdin)
     cite: str  # what an answer cites: "book.pdf p. 12", "src/app.py:120-158", "notes.txt:10-48"
+    # Where it is, for a script checking a citation (`location`): a PDF's page, a text's or a file's 1-based
+    # inclusive line range, a chat log's message number, an EPUB's chapter.
+    page: int | None = None
+    lines: tuple[int, int] | None = None
+    message: int | None = None
+    chapter: int | None = None
+
+    def location(self) -> dict:
+        """The part's place in its source: {"page": 12}, {"lines": [10, 48]}, {"message": 3} or {"chapter": 2}."""
+        where = {"page": self.page, "lines": list(self.lines) if self.lines else None, "message": self.message,
+                 "chapter": self.chapter}
+        return {key: value for key, value in where.items() if value is not None}
 
 
 @dataclass

@@ -46,7 +46,7 @@ def chat_parts(messages: list[Message], name: str, source: str) -> list[Part]:
         heading = f"=== {message.heading} ===\n" if message.heading else ""
         where = message.time or f"#{number}"
         cite = " ".join(filter(None, (name, where, message.author)))
-        parts.append(Part(f"{heading}{stamp}{speaker}{message.text}\n", source, cite))
+        parts.append(Part(f"{heading}{stamp}{speaker}{message.text}\n", source, cite, message=number))
     if not parts:
         raise IngestError(f"{name} has no messages with text")
     return parts

@@ -53,7 +53,7 @@ def code_parts(text: str, name: str, source: str) -> list[Part]:
         header = "" if parts else f"=== {name} ===\n"
         body = "".join(f"{number}| {line}\n" if line else f"{number}|\n"
                        for number, line in enumerate(lines[start:end], start=start + 1))
-        parts.append(Part(header + body, source, f"{name}:{line_span(start + 1, end)}"))
+        parts.append(Part(header + body, source, f"{name}:{line_span(start + 1, end)}", lines=(start + 1, end)))
     return parts
 
 

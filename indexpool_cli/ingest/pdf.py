@@ -76,7 +76,7 @@ def read_pdf(data: bytes, name: str, source: str, pages: str | None, password: s
         except Exception:  # pypdf raises many kinds of error on a broken content stream: that page has no text
             text = ""
         if text:
-            parts.append(Part(f"[Page {page}]\n{text}\n", source, f"{name} p. {page}"))
+            parts.append(Part(f"[Page {page}]\n{text}\n", source, f"{name} p. {page}", page=page))
         else:
             without_text.append(page)
     if not parts:

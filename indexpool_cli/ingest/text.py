@@ -96,7 +96,7 @@ def text_parts(text: str, name: str, source: str) -> list[Part]:
         span = line_span(start + 1, end)
         label = "lines" if end - start > 1 else "line"
         body = "\n".join(lines[start:end])
-        parts.append(Part(f"[{name} {label} {span}]\n{body}\n", source, f"{name}:{span}"))
+        parts.append(Part(f"[{name} {label} {span}]\n{body}\n", source, f"{name}:{span}", lines=(start + 1, end)))
     return parts
 
 
@@ -233,7 +233,7 @@ def read_epub(data: bytes, name: str, source: str) -> list[Part]:
                 continue
             chapter = len(parts) + 1
             marker = f"[Chapter {chapter}: {title}]" if title else f"[Chapter {chapter}]"
-            parts.append(Part(f"{marker}\n{text}\n", source, f"{name} ch. {chapter}"))
+            parts.append(Part(f"{marker}\n{text}\n", source, f"{name} ch. {chapter}", chapter=chapter))
     except zipfile.BadZipFile:
         raise IngestError(f"{name} is not a valid EPUB (not a zip archive)") from None
     except KeyError as e:  # zipfile's missing member

@@ -1,0 +1,123 @@
+"""Which signal finds the passage that answers: the question's words, the model's reading of the whole document
+(IndexPool attention evidence), the model's likelihood of the question after a candidate passage, or all three as
+`ask` combines them (indexpool_cli/jobs.py `passage_quote`). On the real-document set of benchmarks/doc_qa.py.
+
+For every question, after the document is read as `ask` reads it, the passage each scorer puts first is checked:
+does it hold an accepted answer, and is its part a ground-truth location (the first source `ask` cites)?
+
+    .venv/bin/python benchmarks/passage_choice.py --install
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from doc_qa import answer_holds, location_matches  # noqa: E402
+from doc_qa_documents import DocumentMissing, data_files, load_set, materialize  # noqa: E402
+
+# (label, attention weight, model weight, words): the scorers compared
+SCORERS = [("words", 0.0, 0.0, True), ("attention", 1.0, 0.0, False), ("words + attention", None, 0.0, True),
+           ("words + model", 0.0, None, True), ("all three (ask)", None, None, True)]
+
+
+def choose(lexical, attention, likelihood, candidates, attention_weight, model_weight, words) -> int:
+    """The passage a scorer puts first: attention alone over every passage; the others among the candidates, as
+    `passage_quote` scores them (None: ask's weight)."""
+    from indexpool_cli import jobs
+
+    if not words:
+        return max(range(len(attention)), key=attention.__getitem__)
+    a = jobs.ATTENTION_WEIGHT if attention_weight is None else attention_weight
+    m = jobs.MODEL_WEIGHT if model_weight is None else model_weight
+    best_lex = max(lexical) or 1.0
+    best_att = max(attention) or 1.0
+    low, high = min(likelihood), max(likelihood)
+    scores = {i: lexical[i] / best_lex + a * attention[i] / best_att
+              + m * ((value - low) / (high - low) if high > low else 0.0) for i, value in zip(candidates, likelihood)}
+    return max(candidates, key=scores.__getitem__)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--docs", default="", help="comma-separated names (benchmarks/data/doc_qa_NAME.json)")
+    parser.add_argument("--install", action="store_true", help="apt-get install the documents' Debian packages")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+
+    from indexpool_cli.attention import AttentionChoice, open_session
+    from indexpool_cli.ingest import load_document
+    from indexpool_cli.jobs import (PROBE_QUESTION, RERANK_CANDIDATES, RERANK_CONTEXT_TOKENS, DocumentTokens,
+                                    ask_request, document_prompt, evidence_baseline, passage_attention,
+                                    question_likelihoods, read_document, request_evidence, request_messages,
+                                    session_identity)
+    from model.runtime import load_engine, set_threads
+
+    set_threads(args.threads)
+    loaded = load_engine(None)
+    tok = loaded.tokenizer
+    names = [n for n in args.docs.split(",") if n] or [load_set(str(p))["name"] for p in data_files()]
+    totals = {label: [0, 0] for label, *_ in SCORERS}
+    count = 0
+    print(f"| document | q | {' | '.join(f'{label}: answer, source' for label, *_ in SCORERS)} |\n"
+          + "|---" * (len(SCORERS) + 2) + "|")
+    with tempfile.TemporaryDirectory(prefix="passage_choice_") as tmp:
+        for name in names:
+            doc_set = load_set(name)
+            try:
+                path = materialize(doc_set["document"], Path(tmp), install=args.install)
+            except DocumentMissing as e:
+                print(f"| {name} | skipped: {e} |")
+                continue
+            document = load_document([str(path)])
+            tokens = DocumentTokens.encode(tok, document)
+            prompts = [document_prompt(tok, tokens, request_messages(ask_request(q["question"])))
+                       for q in doc_set["questions"]]
+            choice = AttentionChoice()
+            session = open_session(loaded, choice, max(p.max_tokens for p in prompts), auto="indexpool")
+            identity = session_identity(loaded, session, choice)
+            read_document(session, prompts[0], identity, None, name, print, None)
+            baseline = evidence_baseline(session, tok, tokens, prompts[0],
+                                         request_messages(ask_request(PROBE_QUESTION)), identity, None, name, print)
+            index = tokens.index(tok)
+            spans = [index.passage_span(p) for p in index.lexical.passages]
+            texts = ["".join(text for _, text in index.lexical.lines[p.first_line : p.last_line])
+                     for p in index.lexical.passages]
+            hits = {label: [0, 0] for label, *_ in SCORERS}
+            for q, prompt in zip(doc_set["questions"], prompts):
+                evidence = request_evidence(session.cache, prompt)
+                session.cache.evidence = evidence
+                try:
+                    session.prefill(prompt.ids[: prompt.quote_at])
+                finally:
+                    session.cache.evidence = None
+                session.tokens = session.tokens[: session.cache.truncate(prompt.reusable)]
+                lexical = index.lexical.passage_scores(prompt.question)
+                attention = passage_attention(evidence.beyond(baseline), evidence.start - prompt.doc_start, spans)
+                candidates = sorted(range(len(lexical)), key=lambda i: -lexical[i])[:RERANK_CANDIDATES]
+                likelihood = question_likelihoods(loaded.model, tok, [tokens.ids[a:b][:RERANK_CONTEXT_TOKENS]
+                                                                      for a, b in (spans[i] for i in candidates)],
+                                                  prompt.question)
+                for label, a, m, words in SCORERS:
+                    best = choose(lexical, attention, likelihood, candidates, a, m, words)
+                    part = document.parts[index.lexical.passages[best].part]
+                    hits[label][0] += answer_holds(texts[best], q["answers"])
+                    hits[label][1] += any(location_matches(part.location(), part.source, w) for w in q["where"])
+            n = len(prompts)
+            count += n
+            for label in hits:
+                totals[label] = [t + h for t, h in zip(totals[label], hits[label])]
+            print(f"| {name} | {n} | " + " | ".join(f"{a}, {s}" for a, s in hits.values()) + " |", flush=True)
+    if count:
+        print(f"| all | {count} | " + " | ".join(f"{a} ({100 * a / count:.0f}%), {s} ({100 * s / count:.0f}%)"
+                                               for a, s in totals.values()) + " |")
+
+
+if __name__ == "__main__":
+    main()
