@@ -45,8 +45,8 @@ PASSAGE_TOKENS = 128
 # RERANK_CANDIDATES best by their words the model's likelihood of the question after the passage (scaled from the
 # least to the most likely candidate: `question_likelihoods`), with these weights. The words find the place; the
 # reading and the model tell apart places the words score alike. On the real-document set (benchmarks/doc_qa.py)
-# the words alone put the right passage first for 51 of 72 questions, attention alone 17, the three together 53
-# (the first source right 61, 23 and 66): docs/benchmarks.md.
+# the words alone put a passage holding the answer first for 51 of 72 questions, attention alone 14, the three
+# together 53 (its part the right first source: 61, 22 and 66; benchmarks/passage_choice.py, docs/benchmarks.md).
 ATTENTION_WEIGHT = 0.1
 MODEL_WEIGHT = 0.25
 RERANK_CANDIDATES = 6

@@ -233,7 +233,7 @@ def test_bad_inputs_give_one_line_and_exit_3(tmp_path, kind, expected):
 
 def test_usage_errors_exit_2(report):
     for args in (["ask", str(report)], ["ask", str(report), " "], ["summarize", str(report), "--length", "huge"],
-                 ["complete", "text", "--line", "3"]):
+                 ["ask", str(report), "q", "--answer", "bogus"], ["complete", "text", "--line", "3"]):
         proc = indexpool(*args, "--quiet")
         assert proc.returncode == 2, (args, proc.stderr.decode())
         assert b"Traceback" not in proc.stderr
