@@ -14,11 +14,14 @@ run, per document:
   RTR_PARTS parts, at most RTR_TOKENS tokens), with the same request.
 
 Scores: the first cited source is a right location; a right location among the first 3; the answer holds the fact
-(one of the accepted strings, case and spacing aside). Times: the cold `ask` with all the document's questions,
-and a later question on the cached document.
+(one of the accepted strings, case and spacing aside), for ours as it answers by default and with `--answer
+generate`. Times: the cold `ask` with all the document's questions, and a later question on the cached document.
+With --summaries, each document's summary (`indexpool summarize`, defaults) against a summary of its first
+FIRST_TOKENS tokens: the share of the document's top-level sections (`sections` in the data file, each with
+keywords) that it mentions.
 
-    .venv/bin/python benchmarks/doc_qa.py --install            # every document (about 30 minutes on 2 cores)
-    .venv/bin/python benchmarks/doc_qa.py --docs libidn2 -v    # one document, every question shown
+    .venv/bin/python benchmarks/doc_qa.py --install --summaries   # every document (about 40 minutes on 2 cores)
+    .venv/bin/python benchmarks/doc_qa.py --docs libidn2 -v       # one document, every question shown
 """
 
 from __future__ import annotations
