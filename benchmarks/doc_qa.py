@@ -115,9 +115,7 @@ class RetrieveThenRead:
 
     def answer(self, document, ranking: list[int], question: str) -> str:
         from indexpool_cli.ingest import Document
-        from indexpool_cli.jobs import (DocumentTokens, ask_request, document_prompt, plain_request, request_messages,
-                                        run_request)
-        from model.generate import Sampler, SamplingParams, Session
+        from indexpool_cli.jobs import ask_request, plain_request
 
         tok = self.loaded.tokenizer
         chosen, size = [], 0
@@ -127,12 +125,19 @@ class RetrieveThenRead:
                 break
             chosen.append(document.parts[i])
             size += n
-        context = Document(chosen, [], [])
-        prompt = document_prompt(tok, DocumentTokens.encode(tok, context),
-                                 request_messages(plain_request(ask_request(question))))
-        session = Session(self.loaded.model, min(self.loaded.config.context_length, len(prompt.ids) + MAX_NEW_TOKENS))
-        result = run_request(session, tok, prompt, context, Sampler(SamplingParams(temperature=0)), MAX_NEW_TOKENS,
-                             None, False, 0.0, with_sources=False)
+        return self.dense(Document(chosen, [], []), plain_request(ask_request(question)), MAX_NEW_TOKENS)
+
+    def dense(self, document, request: str, max_new_tokens: int) -> str:
+        """The model's greedy answer to `request` on `document` in its own context (dense attention)."""
+        from indexpool_cli.jobs import DocumentTokens, document_prompt, request_messages, run_request
+        from model.generate import Sampler, SamplingParams, Session
+
+        tok = self.loaded.tokenizer
+        prompt = document_prompt(tok, DocumentTokens.encode(tok, document), request_messages(request))
+        session = Session(self.loaded.model, min(self.loaded.config.context_length, len(prompt.ids) + max_new_tokens))
+        result = run_request(session, tok, prompt, document, Sampler(SamplingParams(temperature=0)),
+                             min(max_new_tokens, session.max_length - len(prompt.ids)), None, False, 0.0,
+                             with_sources=False)
         return result.text
 
 
@@ -157,9 +162,7 @@ def run_summarize(path: str, threads: int | None) -> tuple[str, float]:
 def summarize_first_tokens(reader: RetrieveThenRead, document, budget: int) -> str:
     """The baseline summary: the same request on the document's first `budget` tokens only (dense)."""
     from indexpool_cli.ingest import Document
-    from indexpool_cli.jobs import (SUMMARY_LENGTHS, DocumentTokens, document_prompt, request_messages, run_request,
-                                    summary_request)
-    from model.generate import Sampler, SamplingParams, Session
+    from indexpool_cli.jobs import SUMMARY_LENGTHS, summary_request
 
     tok = reader.loaded.tokenizer
     new_tokens = SUMMARY_LENGTHS["medium"][1]
@@ -173,12 +176,7 @@ def summarize_first_tokens(reader: RetrieveThenRead, document, budget: int) -> s
             break
         kept.append(part)
         size += len(ids)
-    first = Document(kept, [], [])
-    prompt = document_prompt(tok, DocumentTokens.encode(tok, first), request_messages(summary_request("medium", None)))
-    session = Session(reader.loaded.model, min(reader.loaded.config.context_length, len(prompt.ids) + new_tokens))
-    result = run_request(session, tok, prompt, first, Sampler(SamplingParams(temperature=0)),
-                         min(new_tokens, session.max_length - len(prompt.ids)), None, False, 0.0, with_sources=False)
-    return result.text
+    return reader.dense(Document(kept, [], []), summary_request("medium", None), new_tokens)
 
 
 def evaluate(doc_set: dict, workdir: Path, reader: RetrieveThenRead, args) -> dict:

@@ -29,19 +29,14 @@ SCORERS = [("words", 0.0, 0.0, True), ("attention", 1.0, 0.0, False), ("words + 
 
 def choose(lexical, attention, likelihood, candidates, attention_weight, model_weight, words) -> int:
     """The passage a scorer puts first: attention alone over every passage; the others among the candidates, as
-    `passage_quote` scores them (None: ask's weight)."""
+    `passage_quote` ranks them (`ranked_passages`; a weight None: ask's)."""
     from indexpool_cli import jobs
 
     if not words:
         return max(range(len(attention)), key=attention.__getitem__)
     a = jobs.ATTENTION_WEIGHT if attention_weight is None else attention_weight
     m = jobs.MODEL_WEIGHT if model_weight is None else model_weight
-    best_lex = max(lexical) or 1.0
-    best_att = max(attention) or 1.0
-    low, high = min(likelihood), max(likelihood)
-    scores = {i: lexical[i] / best_lex + a * attention[i] / best_att
-              + m * ((value - low) / (high - low) if high > low else 0.0) for i, value in zip(candidates, likelihood)}
-    return max(candidates, key=scores.__getitem__)
+    return jobs.ranked_passages(lexical, attention, candidates, likelihood, a, m)[0]
 
 
 def main() -> None:
@@ -53,9 +48,9 @@ def main() -> None:
 
     from indexpool_cli.attention import AttentionChoice, open_session
     from indexpool_cli.ingest import load_document
-    from indexpool_cli.jobs import (PROBE_QUESTION, RERANK_CANDIDATES, RERANK_CONTEXT_TOKENS, DocumentTokens,
-                                    ask_request, document_prompt, evidence_baseline, passage_attention,
-                                    question_likelihoods, read_document, request_evidence, request_messages,
+    from indexpool_cli.jobs import (PROBE_QUESTION, RERANK_CONTEXT_TOKENS, DocumentTokens, ask_request,
+                                    document_prompt, evidence_baseline, passage_attention, question_likelihoods,
+                                    read_document, request_evidence, request_messages, rerank_candidates,
                                     session_identity)
     from model.runtime import load_engine, set_threads
 
@@ -100,7 +95,7 @@ def main() -> None:
                 session.tokens = session.tokens[: session.cache.truncate(prompt.reusable)]
                 lexical = index.lexical.passage_scores(prompt.question)
                 attention = passage_attention(evidence.beyond(baseline), evidence.start - prompt.doc_start, spans)
-                candidates = sorted(range(len(lexical)), key=lambda i: -lexical[i])[:RERANK_CANDIDATES]
+                candidates = rerank_candidates(lexical)
                 likelihood = question_likelihoods(loaded.model, tok, [tokens.ids[a:b][:RERANK_CONTEXT_TOKENS]
                                                                       for a, b in (spans[i] for i in candidates)],
                                                   prompt.question)

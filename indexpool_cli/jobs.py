@@ -232,17 +232,13 @@ def passage_quote(tokenizer, prompt: DocumentPrompt, evidence: AttentionEvidence
     spans = [index.passage_span(p) for p in index.lexical.passages]
     mass = evidence.beyond(baseline) if baseline is not None else evidence.mass
     attention = passage_attention(mass, evidence.start - prompt.doc_start, spans)
-    scores = combined(lexical, attention)
-    candidates = [i for i in sorted(range(len(lexical)), key=lambda i: -lexical[i])[:RERANK_CANDIDATES]
-                  if lexical[i] > 0]
+    candidates = [i for i in rerank_candidates(lexical) if lexical[i] > 0]
+    likelihood = None
     if model is not None and len(candidates) > 1:
-        contexts = [prompt.document.ids[a : b][:RERANK_CONTEXT_TOKENS] for a, b in (spans[i] for i in candidates)]
+        contexts = [prompt.document.ids[a:b][:RERANK_CONTEXT_TOKENS] for a, b in (spans[i] for i in candidates)]
         likelihood = question_likelihoods(model, tokenizer, contexts, prompt.question)
-        low, high = min(likelihood), max(likelihood)
-        for i, value in zip(candidates, likelihood):
-            scores[i] += MODEL_WEIGHT * ((value - low) / (high - low) if high > low else 0.0)
     chosen: list[Passage] = []
-    for i in sorted(candidates, key=lambda i: -scores[i]):
+    for i in ranked_passages(lexical, attention, candidates, likelihood):
         if len(chosen) == QUOTE_PASSAGES:
             break
         passage = index.lexical.passages[i]
@@ -293,14 +289,32 @@ def passage_attention(mass: torch.Tensor, offset: int, spans: list[tuple[int, in
     return [at(b) - at(a) for a, b in spans]
 
 
-def combined(lexical: list[float], attention: list[float]) -> list[float]:
-    """Lexical scores plus ATTENTION_WEIGHT times attention evidence, each scaled to its best."""
+def combined(lexical: list[float], attention: list[float], attention_weight: float = ATTENTION_WEIGHT) -> list[float]:
+    """Lexical scores plus `attention_weight` times attention evidence, each scaled to its best."""
 
     def scaled(values: list[float]) -> list[float]:
         best = max(values, default=0.0)
         return [v / best for v in values] if best > 0 else [0.0] * len(values)
 
-    return [a + ATTENTION_WEIGHT * b for a, b in zip(scaled(lexical), scaled(attention))]
+    return [a + attention_weight * b for a, b in zip(scaled(lexical), scaled(attention))]
+
+
+def rerank_candidates(lexical: list[float]) -> list[int]:
+    """The RERANK_CANDIDATES passages with the best lexical scores, best first."""
+    return sorted(range(len(lexical)), key=lambda i: -lexical[i])[:RERANK_CANDIDATES]
+
+
+def ranked_passages(lexical: list[float], attention: list[float], candidates: list[int],
+                    likelihood: list[float] | None, attention_weight: float = ATTENTION_WEIGHT,
+                    model_weight: float = MODEL_WEIGHT) -> list[int]:
+    """The candidates best first by `combined` scores plus `model_weight` times the question's likelihood after
+    each (None: not measured), scaled from the least to the most likely candidate."""
+    scores = combined(lexical, attention, attention_weight)
+    if likelihood is not None:
+        low, high = min(likelihood), max(likelihood)
+        for i, value in zip(candidates, likelihood):
+            scores[i] += model_weight * ((value - low) / (high - low) if high > low else 0.0)
+    return sorted(candidates, key=lambda i: -scores[i])
 
 
 def with_quote(tokenizer, prompt: DocumentPrompt, quote: Quote | None) -> list[int]:
@@ -402,13 +416,14 @@ def rank_sources(evidence: AttentionEvidence, prompt: DocumentPrompt, document: 
     ranked = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
     best = scores[ranked[0]]
     order = list(dict.fromkeys(quoted + [i for i in ranked if scores[i] >= SOURCE_SHARE * best]))
+    words = index.lexical.passage_scores(f"{prompt.question}\n{answer}") if index is not None else []
     sources = []
     for i in order[:MAX_SOURCES]:
         part = document.parts[i]
         source = {"cite": part.cite, "source": part.source, "share": round(scores[i] / total, 4),
                   "location": part.location()}
         if index is not None:
-            source["text"] = cited_passage(index, i, prompt, quote, f"{prompt.question}\n{answer}")
+            source["text"] = cited_passage(index, i, prompt, quote, words)
         sources.append(source)
     return sources
 
@@ -418,9 +433,10 @@ def part_of(prompt: DocumentPrompt, position: int) -> int:
     return next(i for i, (start, end) in enumerate(prompt.part_spans) if start <= position < end)
 
 
-def cited_passage(index: DocumentIndex, part: int, prompt: DocumentPrompt, quote: Quote | None, words: str) -> str:
-    """The text a source shows for part `part`: its passage that was quoted, else the passage of it whose words
-    best match `words` (its first when none does)."""
+def cited_passage(index: DocumentIndex, part: int, prompt: DocumentPrompt, quote: Quote | None,
+                  scores: list[float]) -> str:
+    """The text a source shows for part `part`: its passage that was quoted, else its passage with the best of
+    `scores` (every passage's lexical score for the question and the answer; its first when none scores)."""
     start, end = prompt.part_spans[part]
     for passage in quote.passages if quote else []:
         if start <= passage.start < end:
@@ -428,7 +444,6 @@ def cited_passage(index: DocumentIndex, part: int, prompt: DocumentPrompt, quote
     own = [i for i, p in enumerate(index.lexical.passages) if p.part == part]
     if not own:
         return ""
-    scores = index.lexical.passage_scores(words)
     best = index.lexical.passages[max(own, key=lambda i: scores[i])]
     return "".join(text for _, text in index.lexical.lines[best.first_line : best.last_line]).strip()
 

@@ -3,7 +3,6 @@ passages quoted to the model, the sources cited first, their structured location
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from indexpool_cli.ingest import Document, Part
