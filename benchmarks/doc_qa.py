@@ -16,12 +16,13 @@ run, per document:
 Scores: the first cited source is a right location; a right location among the first 3; the answer holds the fact
 (one of the accepted strings, case and spacing aside), for ours as it answers by default and with `--answer
 generate`. Times: the cold `ask` with all the document's questions, and a later question on the cached document.
-With --summaries, each document's summary (`indexpool summarize`, defaults) against a summary of its first
-FIRST_TOKENS tokens: the share of the document's top-level sections (`sections` in the data file, each with
-keywords) that it mentions.
+With --summaries (or --summaries-only), each document's summary (`indexpool summarize`: by default the extracted
+outline, and with `--summary generate`) against a summary of its first FIRST_TOKENS tokens: the share of the
+document's top-level sections (`sections` in the data file, each with keywords) that it mentions.
 
     .venv/bin/python benchmarks/doc_qa.py --install --summaries   # every document (about 40 minutes on 2 cores)
     .venv/bin/python benchmarks/doc_qa.py --docs libidn2 -v       # one document, every question shown
+    .venv/bin/python benchmarks/doc_qa.py --summaries-only -v     # the summaries alone (about 12 minutes)
 """
 
 from __future__ import annotations
@@ -147,9 +148,10 @@ def coverage(summary: str, sections: list[dict]) -> list[bool]:
     return [any(normalize(k) in said for k in section["keywords"]) for section in sections]
 
 
-def run_summarize(path: str, threads: int | None) -> tuple[str, float]:
-    """`indexpool summarize` as a user runs it (default length and strategy): the summary and the wall time."""
-    command = [str(ROOT / ".venv/bin/indexpool"), "summarize", path, "--json", "--quiet", "--no-cache"]
+def run_summarize(path: str, threads: int | None, *options: str) -> tuple[str, float]:
+    """`indexpool summarize` as a user runs it (default length and strategy, and `options`): the summary and the
+    wall time."""
+    command = [str(ROOT / ".venv/bin/indexpool"), "summarize", path, "--json", "--quiet", "--no-cache", *options]
     if threads:
         command += ["--threads", str(threads)]
     t0 = time.perf_counter()
@@ -184,12 +186,14 @@ def evaluate(doc_set: dict, workdir: Path, reader: RetrieveThenRead, args) -> di
 
     path = materialize(doc_set["document"], workdir, install=args.install)
     document = load_document([str(path)])
-    questions = doc_set["questions"]
+    questions = [] if args.summaries_only else doc_set["questions"]
     texts = [q["question"] for q in questions]
     cache_dir = tempfile.mkdtemp(prefix="doc_qa_cache_", dir=workdir)
-    ours, cold_seconds = run_ask(str(path), texts, cache_dir, args.threads)
-    _, cached_seconds = run_ask(str(path), texts[:1], cache_dir, args.threads)
-    generated, _ = run_ask(str(path), texts, cache_dir, args.threads, "--answer", "generate")
+    ours, generated, cold_seconds, cached_seconds = [], [], 0.0, 0.0
+    if texts:
+        ours, cold_seconds = run_ask(str(path), texts, cache_dir, args.threads)
+        _, cached_seconds = run_ask(str(path), texts[:1], cache_dir, args.threads)
+        generated, _ = run_ask(str(path), texts, cache_dir, args.threads, "--answer", "generate")
     rows = []
     for q, result, written in zip(questions, ours, generated):
         ranking = bm25_ranking(document.parts, q["question"])
@@ -219,15 +223,18 @@ def evaluate(doc_set: dict, workdir: Path, reader: RetrieveThenRead, args) -> di
     tokens = ours[0]["tokens"]["document"] if ours else 0
     result = {"name": doc_set["name"], "kind": doc_set["kind"], "tokens": tokens, "questions": len(rows),
               "cold_seconds": cold_seconds, "cached_seconds": cached_seconds, "rows": rows}
-    if args.summaries and doc_set.get("sections"):
+    if (args.summaries or args.summaries_only) and doc_set.get("sections"):
         summary, seconds = run_summarize(str(path), args.threads)
+        written, written_seconds = run_summarize(str(path), args.threads, "--summary", "generate")
         first = summarize_first_tokens(reader, document, FIRST_TOKENS)
         result["summary"] = {"ours": coverage(summary, doc_set["sections"]),
+                             "generated": coverage(written, doc_set["sections"]),
                              "first_tokens": coverage(first, doc_set["sections"]), "seconds": seconds,
-                             "ours_text": summary, "first_tokens_text": first}
+                             "generated_seconds": written_seconds, "ours_text": summary, "generated_text": written,
+                             "first_tokens_text": first}
         if args.verbose:
-            print(f"  summary ({seconds:.0f} s): {summary.strip()[:300]!r}\n  first {FIRST_TOKENS} tokens: "
-                  f"{first.strip()[:300]!r}", flush=True)
+            print(f"  summary ({seconds:.1f} s):\n{summary}\n  --summary generate ({written_seconds:.0f} s): "
+                  f"{written.strip()[:300]!r}\n  first {FIRST_TOKENS} tokens: {first.strip()[:300]!r}", flush=True)
     return result
 
 
@@ -243,6 +250,8 @@ def report(results: list[dict]) -> None:
     count = 0
     for r in results:
         n = r["questions"]
+        if not n:
+            continue
         cells = []
         for key, _ in COLUMNS:
             hits = sum(row[key] for row in r["rows"])
@@ -260,16 +269,21 @@ def report_summaries(results: list[dict]) -> None:
     rows = [r for r in results if "summary" in r]
     if not rows:
         return
-    print(f"\n| document | sections | summarize: mentioned | first {FIRST_TOKENS} tokens only | summarize time |\n"
-          "|---|---|---|---|---|")
-    totals = [0, 0, 0]
+    print(f"\n| document | sections | summarize (default: extract) | summarize --summary generate | first "
+          f"{FIRST_TOKENS} tokens only | summarize time | --summary generate time |\n|---|---|---|---|---|---|---|")
+    total, hits = 0, {"ours": 0, "generated": 0, "first_tokens": 0}
     for r in rows:
-        ours, first = r["summary"]["ours"], r["summary"]["first_tokens"]
-        totals = [totals[0] + len(ours), totals[1] + sum(ours), totals[2] + sum(first)]
-        print(f"| {r['name']} | {len(ours)} | {sum(ours)}/{len(ours)} | {sum(first)}/{len(first)} | "
-              f"{r['summary']['seconds']:.0f} s |")
-    n = totals[0]
-    print(f"| all | {n} | {totals[1]}/{n} ({100 * totals[1] / n:.0f}%) | {totals[2]}/{n} ({100 * totals[2] / n:.0f}%) | |")
+        summary = r["summary"]
+        n = len(summary["ours"])
+        total += n
+        cells = []
+        for key in hits:
+            hits[key] += sum(summary[key])
+            cells.append(f"{sum(summary[key])}/{n}")
+        print(f"| {r['name']} | {n} | {' | '.join(cells)} | {summary['seconds']:.1f} s | "
+              f"{summary['generated_seconds']:.0f} s |")
+    cells = [f"{h}/{total} ({100 * h / total:.0f}%)" for h in hits.values()]
+    print(f"| all | {total} | {' | '.join(cells)} | | |")
 
 
 def main() -> None:
@@ -280,6 +294,7 @@ def main() -> None:
     parser.add_argument("--save", type=Path, default=None, help="write every result as JSON to this file")
     parser.add_argument("--summaries", action="store_true",
                         help="also summarize each document, against a summary of its first 8K tokens only")
+    parser.add_argument("--summaries-only", action="store_true", help="only the summaries (no questions)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show every question's answers and sources")
     args = parser.parse_args()
 
@@ -302,8 +317,9 @@ def main() -> None:
                 print(f"  skipped: {e}")
                 continue
             r = results[-1]
-            print(f"  {r['tokens']:,} tokens; cold ask with {r['questions']} questions {r['cold_seconds']:.0f} s, "
-                  f"a later question {r['cached_seconds']:.1f} s", flush=True)
+            if r["questions"]:
+                print(f"  {r['tokens']:,} tokens; cold ask with {r['questions']} questions {r['cold_seconds']:.0f} s, "
+                      f"a later question {r['cached_seconds']:.1f} s", flush=True)
     report(results)
     report_summaries(results)
     if args.save:

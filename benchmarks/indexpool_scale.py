@@ -67,8 +67,8 @@ def add_sink_distance_option(parser: argparse.ArgumentParser) -> None:
     from model.indexpool_cache import IndexPoolConfig
 
     parser.add_argument("--sink-distance", type=int, default=IndexPoolConfig.sink_distance,
-                        help="how far back the sinks sit once far tokens are selected (0: right before them, as "
-                             "before session 15)")
+                        help="how far back the sinks sit once far tokens are selected (0: right before them, an earlier "
+                             "default)")
 
 
 def worker(length: int, mode: str, decode: int, threads: int | None, options: dict) -> dict:

@@ -349,7 +349,7 @@ def _show_result(result, request: str, loaded, run: RunChoice, label: str | None
         return
     if not result.text.endswith("\n"):
         sys.stdout.write("\n")
-    if result.sources:
+    if result.sources and not result.cites_inline:
         sys.stdout.write("Sources: " + "; ".join(s["cite"] for s in result.sources) + "\n")
     sys.stdout.flush()
     for note in result.notes:
@@ -425,6 +425,7 @@ def summarize(
     strategy: Annotated[str, typer.Option("--strategy", help="single (one pass over the whole text, IndexPool), hierarchical (summaries of sections that fit the model's context, then of those), or auto: single when the document fits the model's context, else hierarchical (benchmarks/summary_coverage.py: the default model's one-pass summaries of longer documents degenerate).")] = "auto",
     section_tokens: Annotated[Optional[int], typer.Option("--section-tokens", min=64, help="Hierarchical: most tokens per section (default: the model's context less 1024).")] = None,
     together: Annotated[bool, typer.Option("--together", help="Several paths: read them as one document and write one summary (default: a summary of each, those that fit the model's context decoded as one batch).")] = False,
+    summary: Annotated[str, typer.Option("--summary", help="extract: an outline of the document taken from it, its top-level sections (headings, files, log entries) each with the sentence that represents it best and its citation; generate: the model writes the summary; auto: extract for models under 1B parameters (the default model's own summaries named few of a document's sections: docs/benchmarks.md), else generate. With --backend openai, auto generates.")] = "auto",
     run: RunChoice = None,
     sampling: SamplingChoice = None,
     attention: AttentionChoice = None,
@@ -433,10 +434,12 @@ def summarize(
 ):
     """Summarize documents, citing the pages, lines or sections each summary draws on most. Several paths get a
     summary each (headed "==> path <==", or "path" in --json), unless --together."""
-    from .jobs import SUMMARY_LENGTHS, summary_request
+    from .jobs import ANSWER_MODES, SUMMARY_LENGTHS, answer_mode, summary_request
 
     if length not in SUMMARY_LENGTHS:
         raise typer.BadParameter(f"--length must be one of {', '.join(SUMMARY_LENGTHS)}, not {length!r}")
+    if summary not in ANSWER_MODES:
+        raise typer.BadParameter(f"--summary must be one of {', '.join(ANSWER_MODES)}, not {summary!r}")
     if strategy not in SUMMARY_STRATEGIES:
         raise typer.BadParameter(f"--strategy must be one of {', '.join(SUMMARY_STRATEGIES)}, not {strategy!r}")
     remote.check()
@@ -445,13 +448,20 @@ def summarize(
     inputs = [[p] for p in paths] if each else [list(paths)]
     docs = [document.load(p) for p in inputs]  # every input read before any work: a bad one fails first
     labels = [p[0] for p in inputs] if each else [None]
+    loaded = None
+    if summary == "auto" and remote.backend != "openai":
+        loaded = _load(run)
+        summary = answer_mode(summary, loaded.model, "--summary")
+    if summary == "extract":  # no model needed: given --summary extract, none is loaded
+        _show_outlines(docs, labels, length, focus, request, loaded.name if loaded else None, run)
+        return
     if remote.backend == "openai":  # the server's context decides one pass or sections
         for i, (path, doc, label) in enumerate(zip(inputs, docs, labels)):
             _show_label(label, i, run)
             _document_job(path, [request], budget, run, sampling, attention, document, doc=doc, remote=remote,
                           kind="summarize", label=label)
         return
-    loaded = _load(run)
+    loaded = loaded or _load(run)
     counts = [sum(len(loaded.tokenizer.encode(part.text)) for part in doc.parts) for doc in docs]
     strategies = [_summary_strategy(strategy, loaded, n) for n in counts]
     batched = _summarize_batched(loaded, docs, counts, strategies, request, budget, sampling, attention, run) \
@@ -467,6 +477,23 @@ def summarize(
                           label=label)
         else:
             _summarize_hierarchical(loaded, doc, request, budget, section_tokens, run, sampling, attention, label)
+
+
+def _show_outlines(docs, labels: list[str | None], length: str, focus: str | None, request: str,
+                   model: str | None, run: RunChoice) -> None:
+    """Each input's extractive summary (`jobs.outline_summary`), shown as a generated one is."""
+    from types import SimpleNamespace
+
+    from .jobs import outline_summary
+
+    for i, (doc, label) in enumerate(zip(docs, labels)):
+        for note in doc.notes:
+            _warn(note, run)
+        _show_label(label, i, run)
+        result = outline_summary(doc, length, focus)
+        if not run.json_out:
+            sys.stdout.write(result.text)
+        _show_result(result, request, SimpleNamespace(name=model), run, label)
 
 
 def _summary_strategy(strategy: str, loaded, document_tokens: int) -> str:

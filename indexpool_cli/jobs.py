@@ -341,6 +341,7 @@ class JobResult:
     stop_reason: str = ""
     notes: list[str] = field(default_factory=list)
     quotes: list[dict] = field(default_factory=list)  # the passages quoted to the model before it answered
+    cites_inline: bool = False  # the text cites its sources itself (an outline): no "Sources:" line after it
 
     def to_json(self) -> dict:
         return {"text": self.text, "sources": self.sources, "quotes": self.quotes,
@@ -593,19 +594,37 @@ def run_batch(session, tokenizer, prompts: list[DocumentPrompt], document: Docum
 
 
 ANSWER_MODES = ("auto", "extract", "generate")
-# --answer auto: extractive answers for models below this many parameters. The default model (135M) wrote an answer
-# holding the fact for 2 of 12 questions on a real manual with the right passage quoted to it, and the passage
-# itself held it for 8 (benchmarks/doc_qa.py, docs/benchmarks.md).
+# auto (--answer, --summary): extract for models below this many parameters. The default model (135M) wrote an
+# answer holding the fact for 2 of 12 questions on a real manual with the right passage quoted to it, and the
+# passage itself held it for 8; its summaries of real documents named 2% of their top-level sections, the outline
+# 89% (benchmarks/doc_qa.py, docs/benchmarks.md).
 EXTRACT_MAX_PARAMETERS = 1_000_000_000
 
 
-def answer_mode(mode: str, model) -> str:
-    """--answer: extract (the document's passage that answers), generate (the model writes the answer), or auto."""
+def answer_mode(mode: str, model, option: str = "--answer") -> str:
+    """--answer or --summary: extract (from the document), generate (the model writes it), or auto."""
     if mode not in ANSWER_MODES:
-        raise InputError(f"--answer must be one of {', '.join(ANSWER_MODES)}, not {mode!r}")
+        raise InputError(f"{option} must be one of {', '.join(ANSWER_MODES)}, not {mode!r}")
     if mode != "auto":
         return mode
     return "extract" if sum(p.numel() for p in model.parameters()) < EXTRACT_MAX_PARAMETERS else "generate"
+
+
+def outline_summary(document: Document, length: str, focus: str | None) -> JobResult:
+    """An extractive summary: the document's outline (indexpool_cli/outline.py), each item citing its part."""
+    from .outline import outline, outline_text
+
+    t0 = time.perf_counter()
+    items = outline(document, length, focus)
+    result = JobResult(outline_text(items, document), stop_reason="extracted", cites_inline=True)
+    for item in items:
+        part = document.parts[item.part]
+        result.sources.append({"cite": part.cite, "source": part.source, "title": item.title,
+                               "location": part.location(), "text": item.text})
+    result.answer_seconds = time.perf_counter() - t0
+    if not items:
+        result.notes.append("the document has no text to outline")
+    return result
 
 
 def extract_answer(session, tokenizer, prompt: DocumentPrompt, document: Document, cached: bool,

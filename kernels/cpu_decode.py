@@ -2,7 +2,7 @@
 
 The C kernels of `cpu_linear` (int4/int8 weights) and `cpu_attention` (decode attention) did the heavy work of a
 step, yet a step of the default model at 4K context still spent about a third of its time in the small torch
-operations and Python calls between them, ~40 per layer (docs/benchmarks.md, session 18). `decode_layers` runs
+operations and Python calls between them, ~40 per layer (docs/benchmarks.md). `decode_layers` runs
 every layer of the step in C instead: RMSNorm, RoPE, the cache writes, SiLU and the residual adds in plain C, the
 linear and attention kernels called through their function pointers. Its reference is the model's own layer code
 (`model/llama.py`), which the tests compare it with.

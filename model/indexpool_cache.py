@@ -21,7 +21,7 @@ digit order, which a copy needs.) Why the gap: the default model turns some toke
 sentence-opening " The") that see the first token ~3,600 back into attention sinks of their own, with keys far off
 their kind's; with the sinks right before the far tokens, every prefill segment put its tokens at one offset there,
 a few hundred such tokens at 512K, and a question's far selection, taking the keys that stand out, let them outbid
-the needle in the layers that copy it (docs/benchmarks.md, session 15).
+the needle in the layers that copy it (docs/benchmarks.md).
 
 Kernels. The backend (`kernels.kernel_backend`: Triton on CUDA, torch elsewhere, INDEXPOOL_KERNELS to force one) is
 chosen once per cache. On Triton, the far part and the window go through `kernels.sparse_attention` (gather, RoPE
@@ -33,13 +33,13 @@ selects per block of `query_block` consecutive queries (their scores summed; def
 prefill segment each block of `segment_block` consecutive queries (default: the whole segment) shares one selection,
 from the summed scores of `segment_queries` of its queries (`_block_pools`): a per-query scan of every pool for
 thousands of queries would cost more than the attention it saves. Smaller blocks buy little perplexity for their
-prefill time (session 7, from the mean query: 8K +2.2% against dense with one selection per 2048-token segment,
+prefill time (measured from the mean query: 8K +2.2% against dense with one selection per 2048-token segment,
 +2.0% with blocks of 256, which read 32K 10% slower; docs/benchmarks.md).
 An optional second indexer (`segment_indexer`: `--indexer hybrid`), with a pooled index of its own, makes the
 shared selections (a segment's blocks, a forward read with one selection); the first one makes the per-query ones.
 Layers alternate by default between a "full" indexer and a "shared" one that reuses the layer before's selection
 (`IndexPoolConfig.schedule`, as GLM-5.2's IndexShare): scoring every pool in every layer was most of a decode
-step at 128K, and adjacent layers choose alike (docs/benchmarks.md, session 13: perplexity at 8K +1.5% against
+step at 128K, and adjacent layers choose alike (docs/benchmarks.md: perplexity at 8K +1.5% against
 dense, +1.4% with every layer full; a 128K decode step ~40% shorter). Shared layers keep no pooled index.
 """
 

@@ -131,7 +131,7 @@ def _prepare_decode(loaded: LoadedModel, decode_weights: str, dtype: torch.dtype
     if dtype == torch.bfloat16 or (dtype == torch.float32 and cpu_linear.kernel_runs()):
         quantize_for_decode(loaded.model, bits, keep_int8=("output",), compute=compute)
     # Nor is an fp32 model's decode kept at full precision: its dense K/V cache is bf16 where the C decode-attention
-    # kernel reads one (a step at 4K reads half the bytes; docs/benchmarks.md, session 18).
+    # kernel reads one (a step at 4K reads half the bytes: docs/benchmarks.md).
     if dtype == torch.float32 and native_attention_takes(torch.bfloat16, loaded.config.head_dim):
         loaded.model.cache_dtype = torch.bfloat16
 

@@ -136,9 +136,25 @@ def test_summarize_a_pdf_cites_pages(tmp_path):
     path = tmp_path / "harbours.pdf"
     path.write_bytes(pdf_bytes(pages))
     result = json.loads(ok(indexpool("summarize", str(path), "--length", "short", "--json", "--quiet", "--no-cache",
-                                     "-n", "30")))
+                                     "-n", "30", "--summary", "generate")))
     assert result["text"].strip() and result["tokens"]["new"] >= 1
     assert result["sources"] and all(s["cite"].startswith(f"{path} p. ") for s in result["sources"])
+
+
+def test_summarize_gives_the_default_model_an_outline_citing_each_section(tmp_path):
+    """The default model (under 1B parameters) gets an extracted outline (`--summary auto`): one line per
+    top-level section with its title, its citation and its sentence; --json gives each as a source."""
+    path = tmp_path / "glimmer.md"
+    path.write_text("# Glimmer\n\nGlimmer renders vector maps from tile archives on the command line.\n\n"
+                    "## Installing\n\nInstall the glimmer package with the package manager of your system.\n\n"
+                    "## Options\n\nThe --zoom option picks the zoom level of every rendered tile.\n")
+    result = json.loads(ok(indexpool("summarize", str(path), "--json", "--quiet", "--no-cache")))
+    assert result["stop_reason"] == "extracted" and result["tokens"]["new"] == 0
+    assert [s["title"] for s in result["sources"]] == ["Glimmer", "Installing", "Options"]
+    assert all("lines" in s["location"] for s in result["sources"]) and "--zoom" in result["sources"][2]["text"]
+    lines = ok(indexpool("summarize", str(path), "--quiet", "--no-cache")).splitlines()
+    assert lines[2].startswith(f"- Options ({path}:") and lines[2].endswith("zoom level of every rendered tile.")
+    assert len(lines) == 3  # the items cite their sources: no "Sources:" line
 
 
 def test_ask_a_pdf_extracts_and_cites_the_page_with_its_location(tmp_path):
@@ -177,7 +193,7 @@ def test_summarize_several_inputs_gives_each_its_summary_decoded_as_one_batch(tm
     fp32 (a bf16 one rounds the last-bit differences of a batch's sums to neighbouring values)."""
     paths = [str(p) for p in write_notes(tmp_path)]
     args = ("--length", "short", "--json", "--quiet", "--no-cache", "-n", "20", "--dtype", "fp32",
-            "--decode-weights", "off")
+            "--decode-weights", "off", "--summary", "generate")
     results = [json.loads(line) for line in ok(indexpool("summarize", *paths, *args)).splitlines()]
     assert [r["path"] for r in results] == paths
     alone = [json.loads(ok(indexpool("summarize", path, *args))) for path in paths]
@@ -185,14 +201,15 @@ def test_summarize_several_inputs_gives_each_its_summary_decoded_as_one_batch(tm
     for result, path in zip(results, paths):
         assert result["tokens"]["new"] >= 1 and any("decoded in a batch" in note for note in result["notes"])
         assert all(source["source"] == path for source in result["sources"])  # each cites its own input
-    text = ok(indexpool("summarize", *paths, "--length", "short", "--quiet", "--no-cache", "-n", "8"))
+    text = ok(indexpool("summarize", *paths, "--length", "short", "--quiet", "--no-cache", "-n", "8", "--summary",
+                        "generate"))
     assert [line for line in text.splitlines() if line.startswith("==> ")] == [f"==> {p} <==" for p in paths]
 
 
 def test_summarize_together_reads_several_inputs_as_one_document(tmp_path):
     paths = [str(p) for p in write_notes(tmp_path)]
     out = ok(indexpool("summarize", *paths, "--together", "--length", "short", "--json", "--quiet", "--no-cache",
-                       "-n", "8"))
+                       "-n", "8", "--summary", "generate"))
     (result,) = [json.loads(line) for line in out.splitlines()]
     assert "path" not in result and result["tokens"]["document"] > 3 * 60
 
@@ -233,7 +250,8 @@ def test_bad_inputs_give_one_line_and_exit_3(tmp_path, kind, expected):
 
 def test_usage_errors_exit_2(report):
     for args in (["ask", str(report)], ["ask", str(report), " "], ["summarize", str(report), "--length", "huge"],
-                 ["ask", str(report), "q", "--answer", "bogus"], ["complete", "text", "--line", "3"]):
+                 ["ask", str(report), "q", "--answer", "bogus"], ["summarize", str(report), "--summary", "bogus"],
+                 ["complete", "text", "--line", "3"]):
         proc = indexpool(*args, "--quiet")
         assert proc.returncode == 2, (args, proc.stderr.decode())
         assert b"Traceback" not in proc.stderr
@@ -277,7 +295,7 @@ def test_chat_about_a_document_reads_it_once(report):
 
 def test_hierarchical_summary_summarizes_sections_then_cites_them(report):
     result = json.loads(ok(indexpool("summarize", str(report), "--strategy", "hierarchical", "--section-tokens", "400",
-                                     "--json", "--quiet", "-n", "24")))
+                                     "--json", "--quiet", "-n", "24", "--summary", "generate")))
     assert result["text"].strip() and result["tokens"]["document"] > 1000
     (note,) = [n for n in result["notes"] if n.startswith("hierarchical")]
     assert int(note.split()[1]) >= 3  # sections of at most 400 tokens

@@ -159,9 +159,9 @@ def test_html_is_reduced_to_its_visible_text(workdir):
         "spans lines.</p><ul><li>one</li><li>two &lt;b&gt;</li></ul><table><tr><td>a</td><td>b</td></tr>"
         "<tr><td>c</td></tr></table><pre>  keep\n    indent</pre><div>x<br>y</div></body></html>")
     document = load_document(["page.html"])
-    expected = ("Main & title\n\nFirst paragraph spans lines.\n\n- one\n- two <b>\n\na | b\nc\n\n  keep\n    indent\n"
+    expected = ("# Main & title\n\nFirst paragraph spans lines.\n\n- one\n- two <b>\n\na | b\nc\n\n  keep\n    indent\n"
                 "\nx\ny\n")
-    # Line numbers count lines of the extracted text.
+    # Line numbers count lines of the extracted text; headings keep their level as Markdown's "#".
     assert document.parts == [Part("[page.html lines 1-15]\n" + expected, "page.html", "page.html:1-15", lines=(1, 15))]
 
 
@@ -186,9 +186,9 @@ def test_epub_chapters_in_spine_order_with_titles(workdir):
     document = load_document(["book.epub"])
     # The cover (an image only) takes no chapter number; without h1/h2 the <title> names the chapter.
     assert document.parts == [
-        Part("[Chapter 1: The Start]\nThe Start\n\nIt began.\n", "book.epub", "book.epub ch. 1", chapter=1),
+        Part("[Chapter 1: The Start]\n# The Start\n\nIt began.\n", "book.epub", "book.epub ch. 1", chapter=1),
         Part("[Chapter 2: Book]\nNo heading here.\n", "book.epub", "book.epub ch. 2", chapter=2),
-        Part("[Chapter 3: Third]\nThird\n\nEnds & done.\n", "book.epub", "book.epub ch. 3", chapter=3),
+        Part("[Chapter 3: Third]\n## Third\n\nEnds & done.\n", "book.epub", "book.epub ch. 3", chapter=3),
     ]
 
 

@@ -101,12 +101,14 @@ def text_parts(text: str, name: str, source: str) -> list[Part]:
 
 
 class _HTMLText(HTMLParser):
-    """Visible text of an HTML page: block elements on their own lines, list items as "- ", cells split by " | "."""
+    """Visible text of an HTML page: block elements on their own lines, list items as "- ", cells split by " | ",
+    headings led by Markdown's "#" to "######" (the document's structure, for outlines)."""
 
     # <head> itself is not dropped: HTML lets its end tag be omitted, and its text-bearing children are these.
     _DROPPED = {"script", "style", "noscript", "template", "title", "svg"}
     _PARAGRAPHS = {"p", "h1", "h2", "h3", "h4", "h5", "h6", "blockquote", "pre", "table", "ul", "ol", "dl",
                    "section", "article", "header", "footer", "figure", "hr", "aside", "nav", "main"}
+    _HEADINGS = {"h1", "h2", "h3", "h4", "h5", "h6"}
     _LINES = {"div", "li", "tr", "dt", "dd", "caption", "figcaption", "address", "details", "summary", "form",
               "fieldset", "legend", "body", "html"}
 
@@ -149,6 +151,8 @@ class _HTMLText(HTMLParser):
         if tag == "li":
             self.pieces.append("- ")
             self.line_has_text = True
+        if tag in self._HEADINGS:
+            self.pieces.append("#" * int(tag[1]) + " ")
         if tag == "pre":
             self.pre_depth += 1
 
@@ -167,6 +171,8 @@ class _HTMLText(HTMLParser):
             return
         if tag == "pre":
             self.pre_depth = max(0, self.pre_depth - 1)
+        if tag in self._HEADINGS and self.pieces and self.pieces[-1].startswith("#") and not self.pieces[-1].strip("# "):
+            self.pieces.pop()  # an empty heading
         if tag in self._PARAGRAPHS:
             self._newline(blank_line=True)
         elif tag in self._LINES:
