@@ -7,18 +7,15 @@ ways answer the same questions greedily with up to `-n` new tokens each (a quest
 to quote is read again with the quote, both ways). Prints each way's wall time (the questions' reading and the
 answers), the ratio, how many answers quoted, and whether the answers and their sources are the same.
 
-    .venv/bin/python benchmarks/batching.py --length 32768 --threads 1
+    .venv/bin/python -m benchmarks.batching --length 32768 --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import machine_description, natural_text, text_document
 
 QUESTIONS = ["What does the pass statement do?", "What is a lambda expression?", "What does the with statement do?",
              "What does the global statement do?", "What is the assert statement for?",
@@ -33,25 +30,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
 
-    import pydoc_data.topics
-
     from indexpool_cli.attention import AttentionChoice, open_session
-    from indexpool_cli.ingest import IngestOptions, load_document
     from indexpool_cli.jobs import (PROBE_QUESTION, DocumentTokens, ask_request, batch_size, document_prompt,
                                     evidence_baseline, request_messages, run_batch, run_request, session_identity)
     from model.generate import Sampler, SamplingParams
     from model.runtime import load_engine, set_threads
 
     threads = set_threads(args.threads)
+    print(machine_description())
     loaded = load_engine(None)
     tok = loaded.tokenizer
-    text = "\n\n".join(pydoc_data.topics.topics.values())
-    text = (text * (args.length * 4 // len(text) + 1))[: args.length * 4]
     questions = (QUESTIONS * (args.questions // len(QUESTIONS) + 1))[: args.questions]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "manual.txt"
-        path.write_text(text)
-        document = load_document([str(path)], IngestOptions(), None)
+    document = text_document(natural_text(args.length), "manual.txt")
     tokens = DocumentTokens.encode(tok, document)
     prompts = [document_prompt(tok, tokens, request_messages(ask_request(q))) for q in questions]
     n = args.max_new_tokens

@@ -5,28 +5,15 @@ the reads come from DRAM as in a decode step. Prefill: the causal attention of o
 one call and in `--segment`-token segments as the engine reads a prompt (PyTorch's flash kernel then takes a mask).
 Prints the median time of each side and the ratio. Run it on one core:
 
-    OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python benchmarks/cpu_attention.py
+    OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python -m benchmarks.cpu_attention
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-
-def median_seconds(run, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from benchmarks.common import machine_description, median_seconds
 
 
 def main() -> None:
@@ -49,6 +36,7 @@ def main() -> None:
                                        prefill_kernel_runs)
 
     torch.set_num_threads(args.threads)
+    print(machine_description())
     if args.any_threads:  # the rule measured here: see prefill_kernel_runs
         import kernels.cpu_attention as cpu_attention
 

@@ -3,7 +3,7 @@ with its K/V cache in each dtype asked, and its layers run each way asked, side 
 after a prefill of --context random tokens, the variants alternating --rounds times so that a noisy host moves all
 alike. Prints the median per variant and their ratios to the first.
 
-    OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/python benchmarks/decode_step.py --context 4096 --threads 1
+    OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/python -m benchmarks.decode_step --context 4096 --threads 1
 
 On an fp32 engine (a CPU without native bf16) bf16 is the cache the engine keeps where the C decode-attention kernel
 reads one (`Transformer.cache_dtype`), fp32 the one `--decode-weights off` keeps. Layers: "c" is the whole step in
@@ -14,14 +14,12 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from model.generate import Session  # noqa: E402
-from model.runtime import load_engine, set_threads  # noqa: E402
+from benchmarks.common import machine_description
+from model.generate import Session
+from model.runtime import load_engine, set_threads
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -43,6 +41,7 @@ def main() -> None:
     if any(name not in ("c", "python") for name in layer_paths):
         parser.error(f"--layers takes c, python, not {args.layers!r}")
     set_threads(args.threads)
+    print(machine_description())
     loaded = load_engine(None, args.dtype)
     model = loaded.model
     prompt = torch.randint(0, loaded.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))

@@ -4,20 +4,17 @@ Writes a document of about `--length` tokens (Python's own documentation, `pydoc
 `indexpool ask ... --json` on it twice with a fresh cache directory, and prints each run's wall time (model load
 included), the time reading (or restoring) the document, the time answering, and the ratio first / second.
 
-    .venv/bin/python benchmarks/doc_cache.py --length 32768 --threads 1
+    .venv/bin/python -m benchmarks.doc_cache --length 32768 --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-INDEXPOOL = Path(sys.executable).parent / "indexpool"
+from benchmarks.common import machine_description, natural_text, run_indexpool
 
 
 def main() -> None:
@@ -29,26 +26,16 @@ def main() -> None:
                         help="pruned index keys (default: as the command line, on for the training-free indexer)")
     args = parser.parse_args()
 
-    import pydoc_data.topics
-
-    text = "\n\n".join(pydoc_data.topics.topics.values())
-    # About 4 characters per token in this text; repeat it when a longer document is asked for.
-    text = (text * (args.length * 4 // len(text) + 1))[: args.length * 4]
+    print(machine_description(args.threads))
     with tempfile.TemporaryDirectory() as tmp:
         doc = Path(tmp) / "manual.txt"
-        doc.write_text(text)
-        command = [str(INDEXPOOL), "ask", str(doc), args.question, "--json", "--quiet",
-                   "--cache-dir", str(Path(tmp) / "cache"), "-n", "32"]
-        if args.threads:
-            command += ["--threads", str(args.threads)]
-        if args.prune_index is not None:
-            command.append("--prune-index" if args.prune_index else "--no-prune-index")
+        doc.write_text(natural_text(args.length))
+        options = [] if args.prune_index is None else ["--prune-index" if args.prune_index else "--no-prune-index"]
         runs = []
         for _ in range(2):
-            t0 = time.perf_counter()
-            proc = subprocess.run(command, capture_output=True, text=True, check=True)
-            result = json.loads(proc.stdout)
-            runs.append((time.perf_counter() - t0, result))
+            out, seconds = run_indexpool("ask", str(doc), args.question, "--json", "--quiet", "--cache-dir",
+                                         str(Path(tmp) / "cache"), "-n", "32", *options, threads=args.threads)
+            runs.append((seconds, json.loads(out)))
         size = sum(p.stat().st_size for p in (Path(tmp) / "cache").glob("*.safetensors"))
     print(f"document: {runs[0][1]['tokens']['document']:,} tokens; cache entry {size / 2**20:.0f} MiB")
     print(f"{'run':>6} {'cached':>6} {'wall s':>8} {'read s':>8} {'answer s':>9} {'new tokens':>10} {'quoted':>6}")

@@ -20,29 +20,23 @@ With --summaries (or --summaries-only), each document's summary (`indexpool summ
 outline, and with `--summary generate`) against a summary of its first FIRST_TOKENS tokens: the share of the
 document's top-level sections (`sections` in the data file, each with keywords) that it mentions.
 
-    .venv/bin/python benchmarks/doc_qa.py --install --summaries   # every document (about 40 minutes on 2 cores)
-    .venv/bin/python benchmarks/doc_qa.py --docs libidn2 -v       # one document, every question shown
-    .venv/bin/python benchmarks/doc_qa.py --summaries-only -v     # the summaries alone (about 12 minutes)
+    .venv/bin/python -m benchmarks.doc_qa --install --summaries   # every document (about 40 minutes on 2 cores)
+    .venv/bin/python -m benchmarks.doc_qa --docs libidn2 -v       # one document, every question shown
+    .venv/bin/python -m benchmarks.doc_qa --summaries-only -v     # the summaries alone (about 12 minutes)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from doc_qa_documents import DocumentMissing, data_files, load_set, materialize  # noqa: E402
-from indexpool_cli.ingest import Part  # noqa: E402
+from benchmarks.common import machine_description, run_indexpool
+from benchmarks.doc_qa_documents import DocumentMissing, data_files, load_set, materialize
+from indexpool_cli.ingest import Part
 
 RTR_PARTS = 4  # parts retrieve-then-read places in the model's context
 RTR_TOKENS = 6144  # at most, within the model's 8K context with the request and the answer
@@ -94,16 +88,9 @@ def bm25_ranking(parts, question: str) -> list[int]:
 def run_ask(path: str, questions: list[str], cache_dir: str, threads: int | None,
             *options: str) -> tuple[list[dict], float]:
     """`indexpool ask` as a user runs it: the results (one JSON object per question) and the wall time."""
-    command = [str(ROOT / ".venv/bin/indexpool"), "ask", path, *[a for q in questions for a in ("-Q", q)], "--json",
-               "--quiet", "--cache-dir", cache_dir, "-n", str(MAX_NEW_TOKENS), *options]
-    if threads:
-        command += ["--threads", str(threads)]
-    t0 = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    if done.returncode:
-        raise RuntimeError(f"indexpool ask failed ({done.returncode}): {done.stderr.strip()[-500:]}")
-    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()], seconds
+    out, seconds = run_indexpool("ask", path, *[a for q in questions for a in ("-Q", q)], "--json", "--quiet",
+                                 "--cache-dir", cache_dir, "-n", str(MAX_NEW_TOKENS), *options, threads=threads)
+    return [json.loads(line) for line in out.splitlines() if line.strip()], seconds
 
 
 class RetrieveThenRead:
@@ -151,14 +138,8 @@ def coverage(summary: str, sections: list[dict]) -> list[bool]:
 def run_summarize(path: str, threads: int | None, *options: str) -> tuple[str, float]:
     """`indexpool summarize` as a user runs it (default length and strategy, and `options`): the summary and the
     wall time."""
-    command = [str(ROOT / ".venv/bin/indexpool"), "summarize", path, "--json", "--quiet", "--no-cache", *options]
-    if threads:
-        command += ["--threads", str(threads)]
-    t0 = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"indexpool summarize failed ({done.returncode}): {done.stderr.strip()[-500:]}")
-    return json.loads(done.stdout.splitlines()[-1])["text"], time.perf_counter() - t0
+    out, seconds = run_indexpool("summarize", path, "--json", "--quiet", "--no-cache", *options, threads=threads)
+    return json.loads(out.splitlines()[-1])["text"], seconds
 
 
 def summarize_first_tokens(reader: RetrieveThenRead, document, budget: int) -> str:
@@ -302,9 +283,8 @@ def main() -> None:
 
     set_threads(args.threads)
     names = [n for n in args.docs.split(",") if n] or [load_set(str(p))["name"] for p in data_files()]
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    print(f"CPU: {cpu}, {os.cpu_count()} cores; threads {args.threads or 'default'}; documents: {', '.join(names)}")
+    print(machine_description())
+    print(f"documents: {', '.join(names)}")
     reader = RetrieveThenRead()
     results = []
     with tempfile.TemporaryDirectory(prefix="doc_qa_") as tmp:

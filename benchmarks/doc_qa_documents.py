@@ -9,20 +9,21 @@ Each benchmarks/data/doc_qa_*.json names its document with one of these recipes:
     {"pydoc_topics": [TOPIC, ...], "as": NAME}    sections of pydoc_data.topics, each under "=== TOPIC ===", as NAME
     {"stdlib": PACKAGE}                           a package folder of the running Python's standard library
 
-    .venv/bin/python benchmarks/doc_qa_documents.py NAME     # the document's parts as `ask` reads them
+    .venv/bin/python -m benchmarks.doc_qa_documents NAME     # the document's parts as `ask` reads them
 """
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 
 
@@ -81,14 +82,16 @@ def materialize(recipe: dict, workdir: Path, install: bool = False) -> Path:
 
 
 def main() -> None:
-    import tempfile
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", help="a document: NAME of benchmarks/data/doc_qa_NAME.json, or such a file")
+    parser.add_argument("--install", action="store_true", help="apt-get install the document's Debian package")
+    args = parser.parse_args()
 
-    sys.path.insert(0, str(ROOT))
     from indexpool_cli.ingest import load_document
 
-    doc_set = load_set(sys.argv[1])
+    doc_set = load_set(args.name)
     with tempfile.TemporaryDirectory() as tmp:
-        path = materialize(doc_set["document"], Path(tmp), install="--install" in sys.argv)
+        path = materialize(doc_set["document"], Path(tmp), install=args.install)
         document = load_document([str(path)])
         for part in document.parts:
             print(f"----- part cite={part.cite!r}")

@@ -12,9 +12,9 @@ On one GPU (written for an H200, 4.8 TB/s; under 8 minutes):
      events (median of 20 after warm-up, the L2 cache flushed before each run) and prints the time, the bytes the
      op must move, the achieved bandwidth and its fraction of the GPU's peak, and the reference's time and the ratio.
 
-    .venv/bin/python benchmarks/gpu_kernels.py               # tests, then 128K, 512K, 1M
-    .venv/bin/python benchmarks/gpu_kernels.py --quick       # tests, then 128K only, 10 runs each
-    .venv/bin/python benchmarks/gpu_kernels.py --dry-run     # no GPU: every case on tiny shapes in Triton's
+    .venv/bin/python -m benchmarks.gpu_kernels               # tests, then 128K, 512K, 1M
+    .venv/bin/python -m benchmarks.gpu_kernels --quick       # tests, then 128K only, 10 runs each
+    .venv/bin/python -m benchmarks.gpu_kernels --dry-run     # no GPU: every case on tiny shapes in Triton's
                                                              # CPU interpreter, outputs checked against the references
 """
 
@@ -28,6 +28,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from benchmarks.common import machine_description
 
 REPO = Path(__file__).resolve().parent.parent
 PEAK_BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s
@@ -100,7 +102,7 @@ def index_cases(context: int, s: Shapes, device: str) -> list[Case]:
     import torch
 
     from kernels import index_scores, index_scores_reference, index_topk, index_topk_reference
-    from model.indexpool import fp8_quantize
+    from kernels.index_math import fp8_quantize
 
     n_pools = context // s.kpool
     cases = []
@@ -295,17 +297,18 @@ def main() -> None:
     if args.dry_run:  # before Triton is imported: it decides at kernel definition whether to interpret
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["INDEXPOOL_KERNELS"] = "triton"
-    sys.path.insert(0, str(REPO))
     import torch
 
     if args.dry_run:
         torch.set_num_threads(1)
+        print(machine_description())
         torch.manual_seed(0)
         run([1024], TINY, "cpu", 1, dry_run=True)
         return
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run this on a GPU, or use --dry-run to check it on the CPU")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(machine_description())
+    print(f"GPU: {torch.cuda.get_device_name()}")
     if not args.skip_tests:
         tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
                                cwd=REPO)

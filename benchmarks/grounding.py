@@ -9,20 +9,16 @@ answers whose first cited line range holds the fact, quotes holding it, and, on 
 facts, answers that still contain the planted value (invented). One document read, every question asked on it (the
 document cache is off: one process holds the read document).
 
-    .venv/bin/python benchmarks/grounding.py --length 30000 --threads 1
+    .venv/bin/python -m benchmarks.grounding --length 30000 --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import leading_pieces, machine_description, natural_text, text_document
 
 # Ten facts of different shapes (a templated set, "the access code of X is N" ten times, mostly measured the model
 # confusing look-alike sentences: 4/10 even with dense attention at 7.5K). {} is filled per seed from the lists.
@@ -59,27 +55,18 @@ def fact_value(kind: str, rng: random.Random) -> str:
 
 def build_document(tokenizer, length: int, seed: int, with_facts: bool) -> tuple[str, list[tuple[str, str, int]]]:
     """Text of about `length` tokens; the facts as (question, answer, line number where planted)."""
-    import pydoc_data.topics
-
     rng = random.Random(seed)
-    lines = "\n\n".join(pydoc_data.topics.topics.values()).split("\n")
-    # Tokens per line vary; take lines until the token budget is met.
-    kept, total = [], 0
-    for line in lines:
-        total += len(tokenizer.encode(line + "\n"))
-        if total > length - 400:
-            break
-        kept.append(line)
+    kept = leading_pieces(tokenizer, [line + "\n" for line in natural_text().split("\n")], length - 400)
     planted = []
     for i, (sentence, question, kind) in enumerate(FACTS):
         value = fact_value(kind, rng)
         planted.append((sentence.format(value), question, value, int(len(kept) * (0.05 + 0.1 * i))))
     if with_facts:
         for sentence, _, _, at in reversed(planted):  # from the end, so earlier line numbers stay right
-            kept.insert(at, sentence)
+            kept.insert(at, sentence + "\n")
     # 1-based line numbers after the inserts
     facts = [(question, value, at + 1 + i) for i, (_, question, value, at) in enumerate(planted)]
-    return "\n".join(kept) + "\n", facts
+    return "".join(kept), facts
 
 
 def cited_lines(cite: str) -> tuple[int, int] | None:
@@ -110,13 +97,13 @@ def main() -> None:
     args = parser.parse_args()
 
     from indexpool_cli.attention import AttentionChoice, open_session
-    from indexpool_cli.ingest import load_document
     from indexpool_cli.jobs import (PROBE_QUESTION, DocumentTokens, ask_request, document_prompt, evidence_baseline,
                                     plain_request, read_document, request_messages, run_request, session_identity)
     from model.generate import Sampler, SamplingParams
     from model.runtime import load_engine, set_threads
 
     set_threads(args.threads)
+    print(machine_description())
     loaded = load_engine(None)
     tok = loaded.tokenizer
     choice = AttentionChoice(indexer=args.indexer, attention=args.attention, prune_index=args.prune_index)
@@ -125,10 +112,7 @@ def main() -> None:
     runs = [True, False] if args.control else [True]
     for with_facts in runs:
         text, facts = build_document(tok, args.length, args.seed, with_facts)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "report.txt"
-            path.write_text(text)
-            document = load_document([str(path)])
+        document = text_document(text, "report.txt")
         doc_tokens = DocumentTokens.encode(tok, document)
         request = ask_request if args.quote else lambda question: plain_request(ask_request(question))
         prompts = [document_prompt(tok, doc_tokens, request_messages(request(question))) for question, _, _ in facts]

@@ -20,9 +20,9 @@ so that past 8K the queries and keys come from a model that never met an untrain
 against the "in-context" attention of those states. Past the trained context this is the model as it runs; the
 dense read's states there are not.
 
-    .venv/bin/python benchmarks/indexer_recall.py --threads 1
-    .venv/bin/python benchmarks/indexer_recall.py --threads 1 --states indexpool
-    .venv/bin/python benchmarks/indexer_recall.py --threads 1 --states indexpool --reader hybrid --topk 4096 --lengths 32768
+    .venv/bin/python -m benchmarks.indexer_recall --threads 1
+    .venv/bin/python -m benchmarks.indexer_recall --threads 1 --states indexpool
+    .venv/bin/python -m benchmarks.indexer_recall --threads 1 --states indexpool --reader hybrid --topk 4096 --lengths 32768
 """
 
 from __future__ import annotations
@@ -34,21 +34,18 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from model.indexer_training import (DenseCapture, QueryRecorder, SparsePattern, held_out_text,  # noqa: E402
-                                    pool_targets)
-from model.indexpool_cache import IndexPoolCache, IndexPoolConfig  # noqa: E402
-from model.index_pruning import pruning_projection  # noqa: E402
-from model.indexers import TrainingFreeIndexer  # noqa: E402
-from model.indexpool import (FP8_DTYPE, PooledIndexCache, indexer_source_layers, layer_schedule,  # noqa: E402
-                             per_token_index_bytes)
-from model.lightning_indexer import LightningIndexer, ModelFingerprint, default_indexer_path  # noqa: E402
-from model.llama import apply_rope, rope_tables  # noqa: E402
-from model.runtime import load_engine  # noqa: E402
-from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer  # noqa: E402
-from indexpool_scale import add_schedule_option  # noqa: E402  (this script's folder is on sys.path)
+from benchmarks.common import add_schedule_option, machine_description
+from model.indexer_training import DenseCapture, QueryRecorder, SparsePattern, held_out_text, pool_targets
+from model.indexpool_cache import IndexPoolCache, IndexPoolConfig
+from model.index_pruning import pruning_projection
+from model.indexers import TrainingFreeIndexer
+from kernels.index_math import FP8_DTYPE
+from kernels.rope import apply_rope
+from model.indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes
+from model.lightning_indexer import LightningIndexer, ModelFingerprint, default_indexer_path
+from model.llama import rope_tables
+from model.runtime import load_engine
+from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer
 
 
 TEACHERS = {
@@ -235,6 +232,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(machine_description())
 
     loaded = load_engine(None, dtype=args.dtype, decode_weights="off")
     pattern = SparsePattern(topk=args.topk)

@@ -5,8 +5,8 @@ Each (length, mode) runs in its own process, so peak RSS is that run's own: natu
 `--decode` tokens are generated one at a time. Prints bytes per token of each cache part, peak RSS, prefill and
 decode tokens/s, and the ratios the IndexPool issue asks for.
 
-    .venv/bin/python benchmarks/indexpool_scale.py --lengths 4096,32768,131072 --dense 4096,32768
-    .venv/bin/python benchmarks/indexpool_scale.py --lengths 1048576 --dense none      # about an hour here
+    .venv/bin/python -m benchmarks.indexpool_scale --lengths 4096,32768,131072 --dense 4096,32768
+    .venv/bin/python -m benchmarks.indexpool_scale --lengths 1048576 --dense none      # about an hour here
 
 Reads of 128K tokens or more print their progress (tokens, rate, peak RSS) on stderr.
 """
@@ -15,60 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-
-def text_ids(tokenizer, length: int) -> list[int]:
-    import pydoc_data.topics
-
-    ids = tokenizer.encode("\n\n".join(pydoc_data.topics.topics.values()))
-    return (ids * (length // len(ids) + 1))[:length]
-
-
-def long_read_progress(label: str, length: int):
-    """A prefill progress callback that prints a line on stderr per sixteenth of a read of 128K tokens or more:
-    tokens, rate and peak RSS as it goes (such reads take minutes to an hour)."""
-    t0 = time.perf_counter()
-    every = max(1, length // 16)
-    marks = iter(range(every, length + every, every))
-    mark = next(marks)
-
-    def progress(done: int, total: int) -> None:
-        nonlocal mark
-        if total >= 1 << 17 and done >= mark:
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            print(f"  {label} read {done:,}/{total:,} tokens, {done / (time.perf_counter() - t0):.0f} tok/s, "
-                  f"peak RSS {rss:,.0f} MiB", file=sys.stderr, flush=True)
-            while mark <= done:
-                mark = next(marks, length + 1)
-
-    return progress
-
-
-def add_schedule_option(parser: argparse.ArgumentParser) -> None:
-    """--schedule, as the benchmarks take it: the indexer schedule (`IndexPoolConfig.schedule`), comma-separated."""
-    from model.indexpool_cache import IndexPoolConfig
-
-    parser.add_argument("--schedule", type=lambda text: [kind.strip() for kind in text.split(",")],
-                        default=list(IndexPoolConfig.schedule or ["full"]),
-                        help="indexer schedule: full/shared, a pattern repeated over the layers (e.g. full,shared; "
-                             "full: every layer)")
-
-
-def add_sink_distance_option(parser: argparse.ArgumentParser) -> None:
-    """--sink-distance, as the benchmarks take it (`IndexPoolConfig.sink_distance`)."""
-    from model.indexpool_cache import IndexPoolConfig
-
-    parser.add_argument("--sink-distance", type=int, default=IndexPoolConfig.sink_distance,
-                        help="how far back the sinks sit once far tokens are selected (0: right before them, an earlier "
-                             "default)")
+from benchmarks.common import add_schedule_option, long_read_progress, machine_description, natural_ids, peak_rss_bytes
 
 
 def worker(length: int, mode: str, decode: int, threads: int | None, options: dict) -> dict:
@@ -81,13 +32,13 @@ def worker(length: int, mode: str, decode: int, threads: int | None, options: di
 
     set_threads(threads)
     loaded = load_engine(None)
-    ids = text_ids(loaded.tokenizer, length)
+    ids = natural_ids(loaded.tokenizer, length)
     settings = mode == "indexpool"
     choice = AttentionChoice(indexer=options.pop("indexer"), prune_index=options.pop("prune_index"))
     indexer, for_segments = default_indexer(choice, loaded), segment_indexer(choice, loaded)
     session = Session(loaded.model, length + decode, attention=IndexPoolConfig(**options) if settings else None,
                       indexer=indexer if settings else None, segment_indexer=for_segments if settings else None)
-    rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss_loaded = peak_rss_bytes()
     t0 = time.perf_counter()
     logits = session.prefill(ids, long_read_progress(f"{length}:{mode}", length))
     prefill_s = time.perf_counter() - t0
@@ -102,7 +53,7 @@ def worker(length: int, mode: str, decode: int, threads: int | None, options: di
             times.append(time.perf_counter() - t)
     times.sort()
     result = {"length": length, "mode": mode, "prefill_tok_s": length / prefill_s,
-              "decode_tok_s": 1 / times[len(times) // 2], "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "decode_tok_s": 1 / times[len(times) // 2], "peak_rss": peak_rss_bytes(),
               "rss_after_load": rss_loaded}
     config = loaded.config
     if mode == "indexpool":
@@ -145,6 +96,7 @@ def main() -> None:
         length, mode = args.worker.split(":")
         print(json.dumps(worker(int(length), mode, args.decode, args.threads, options)))
         return
+    print(machine_description(args.threads))
     runs = [(int(n), "indexpool") for n in args.lengths.split(",")]
     if args.dense != "none":
         runs += [(int(n), "dense") for n in args.dense.split(",")]
@@ -152,8 +104,9 @@ def main() -> None:
     print(f"{'length':>8} {'mode':>9} {'prefill tok/s':>13} {'decode tok/s':>12} {'peak RSS MiB':>12} "
           f"{'KV B/tok':>9} {'index B/tok':>11} {'per-token index':>15}", flush=True)
     for length, mode in runs:
-        command = [sys.executable, __file__, "--worker", f"{length}:{mode}", "--decode", str(args.decode),
-                   "--kv-storage", args.kv_storage, "--index-dtype", args.index_dtype, "--indexer", args.indexer]
+        command = [sys.executable, "-m", "benchmarks.indexpool_scale", "--worker", f"{length}:{mode}",
+                   "--decode", str(args.decode), "--kv-storage", args.kv_storage, "--index-dtype", args.index_dtype,
+                   "--indexer", args.indexer]
         command += ["--threads", str(args.threads)] if args.threads else []
         command += ["--offload-dir", args.offload_dir] if args.offload_dir else []
         command += ["--segment-block", str(args.segment_block)] if args.segment_block else []

@@ -8,31 +8,24 @@ user waits for), the ratio, and how many summaries are the same both ways. Alone
 (its sources come from the indexer); in the batch, with dense attention. Then, in this process, the engine alone:
 the same summary prompts on one dense session, one after another and as one batch (`jobs.generate_each`).
 
-    .venv/bin/python benchmarks/input_batching.py --inputs 6 --tokens 1000 --threads 1
+    .venv/bin/python -m benchmarks.input_batching --inputs 6 --tokens 1000 --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-INDEXPOOL = Path(sys.executable).parent / "indexpool"
+from benchmarks.common import CHARS_PER_TOKEN, machine_description, natural_text, run_indexpool
 
 
 def run(paths: list[Path], threads: int | None) -> tuple[float, list[dict]]:
-    command = [str(INDEXPOOL), "summarize", *map(str, paths), "--length", "short", "--json", "--quiet", "--no-cache"]
-    if threads:
-        command += ["--threads", str(threads)]
-    t0 = time.perf_counter()
-    out = subprocess.run(command, capture_output=True, check=True).stdout.decode()
-    return time.perf_counter() - t0, [json.loads(line) for line in out.splitlines()]
+    out, seconds = run_indexpool("summarize", *map(str, paths), "--length", "short", "--json", "--quiet",
+                                 "--no-cache", threads=threads)
+    return seconds, [json.loads(line) for line in out.splitlines()]
 
 
 def main() -> None:
@@ -42,10 +35,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
 
-    import pydoc_data.topics
-
-    text = "\n\n".join(pydoc_data.topics.topics.values())
-    size = args.tokens * 4  # about 4 characters per token in this text
+    print(machine_description(args.threads))
+    text = natural_text(args.inputs * args.tokens)
+    size = args.tokens * CHARS_PER_TOKEN
     with tempfile.TemporaryDirectory() as tmp:
         paths, texts = [], [text[i * size : (i + 1) * size] for i in range(args.inputs)]
         for i, part in enumerate(texts):

@@ -10,8 +10,8 @@ A tiny random checkpoint's MTP layer is random too, so its drafts are almost nev
 cost of drafting. `--oracle` adds a row where every draft is the greedy continuation (the MTP layer still runs,
 its answer replaced): the most the mechanism can give on that model. A real checkpoint's rate lies between.
 
-    .venv/bin/python benchmarks/mtp_speculative.py --threads 1
-    .venv/bin/python benchmarks/mtp_speculative.py --checkpoint path/to/GLM-5.3-Flash --dtype bf16   # a big machine
+    .venv/bin/python -m benchmarks.mtp_speculative --threads 1
+    .venv/bin/python -m benchmarks.mtp_speculative --checkpoint path/to/GLM-5.3-Flash --dtype bf16   # a big machine
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from model.glm5_next import Glm5NextModel, SpeculativeStats, greedy_generate, speculative_generate  # noqa: E402
-from model.glm5_next_loader import load_glm5_next  # noqa: E402
-from model.runtime import set_threads  # noqa: E402
+from benchmarks.common import machine_description
+from model.glm5_next import Glm5NextModel, SpeculativeStats, greedy_generate, speculative_generate
+from model.glm5_next_loader import load_glm5_next
+from model.runtime import set_threads
 
 
 def oracle_drafts(model: Glm5NextModel, full: list[int]):
@@ -82,12 +81,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     set_threads(args.threads)
+    print(machine_description())
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     with tempfile.TemporaryDirectory() as scratch:
         path = args.checkpoint
         if path is None:
-            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-            from tiny_glm5_next import build_checkpoint
+            from tests.tiny_glm5_next import build_checkpoint
 
             path = Path(scratch)
             build_checkpoint(path, args.seed)

@@ -5,22 +5,18 @@
 For every question, after the document is read as `ask` reads it, the passage each scorer puts first is checked:
 does it hold an accepted answer, and is its part a ground-truth location (the first source `ask` cites)?
 
-    .venv/bin/python benchmarks/passage_choice.py --install
+    .venv/bin/python -m benchmarks.passage_choice --install
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from doc_qa import answer_holds, location_matches  # noqa: E402
-from doc_qa_documents import DocumentMissing, data_files, load_set, materialize  # noqa: E402
+from benchmarks.common import machine_description
+from benchmarks.doc_qa import answer_holds, location_matches
+from benchmarks.doc_qa_documents import DocumentMissing, data_files, load_set, materialize
 
 # (label, attention weight, model weight, words): the scorers compared
 SCORERS = [("words", 0.0, 0.0, True), ("attention", 1.0, 0.0, False), ("words + attention", None, 0.0, True),
@@ -55,6 +51,7 @@ def main() -> None:
     from model.runtime import load_engine, set_threads
 
     set_threads(args.threads)
+    print(machine_description())
     loaded = load_engine(None)
     tok = loaded.tokenizer
     names = [n for n in args.docs.split(",") if n] or [load_set(str(p))["name"] for p in data_files()]

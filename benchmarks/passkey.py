@@ -7,14 +7,14 @@ the system's license texts; repeated when a longer haystack is asked for), where
 (including Python's `pass` statement); a trial succeeds when the greedy answer contains the key. Trials are ordered by depth so that
 consecutive trials share the haystack up to the earlier needle (the session re-reads only from there).
 
-    .venv/bin/python benchmarks/passkey.py --haystack filler --lengths 4096,32768 --modes indexpool,dense
-    .venv/bin/python benchmarks/passkey.py --haystack natural --lengths 131072 --modes indexpool
+    .venv/bin/python -m benchmarks.passkey --haystack filler --lengths 4096,32768 --modes indexpool,dense
+    .venv/bin/python -m benchmarks.passkey --haystack natural --lengths 131072 --modes indexpool
 
 Prints one row per (length, mode): accuracy, trials, median prefill tokens/s (of the part re-read), per-depth hits.
 At 1M tokens one read takes about an hour on one core; `--depths` runs fewer depths (deepest first, so each further
 trial re-reads only what follows its needle):
 
-    .venv/bin/python benchmarks/passkey.py --haystack filler --lengths 1048576 --modes indexpool --depths 0.95,0.85,0.75 --trials 3
+    .venv/bin/python -m benchmarks.passkey --haystack filler --lengths 1048576 --modes indexpool --depths 0.95,0.85,0.75 --trials 3
 """
 
 from __future__ import annotations
@@ -24,18 +24,15 @@ import glob
 import random
 import re
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from model.generate import GenerationStats, SamplingParams, Sampler, Session  # noqa: E402
-from model.indexpool_cache import IndexPoolConfig  # noqa: E402
-from indexpool_cli.attention import AttentionChoice, default_indexer, describe_indexers, segment_indexer  # noqa: E402
-from model.runtime import load_engine, set_threads  # noqa: E402
-from indexpool_scale import add_schedule_option, add_sink_distance_option, long_read_progress  # noqa: E402  (this script's folder is on sys.path)
+from benchmarks.common import add_schedule_option, long_read_progress, machine_description, natural_text
+from model.generate import GenerationStats, SamplingParams, Sampler, Session
+from model.indexpool_cache import IndexPoolConfig
+from indexpool_cli.attention import AttentionChoice, default_indexer, describe_indexers, segment_indexer
+from model.runtime import load_engine, set_threads
 
 DEPTHS = [0.05 + 0.1 * i for i in range(10)]
 QUESTION = "\n\nWhat is the pass key? Answer with the number only."
@@ -48,11 +45,9 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 def haystack_text(kind: str) -> str:
     if kind == "filler":
         return FILLER * 2000
-    import pydoc_data.topics
-
-    parts = list(pydoc_data.topics.topics.values())
-    parts += [Path(p).read_text(errors="replace") for p in sorted(glob.glob("/usr/share/common-licenses/*")) if Path(p).is_file()]
-    return "\n\n".join(parts)
+    licenses = [Path(p).read_text(errors="replace") for p in sorted(glob.glob("/usr/share/common-licenses/*"))
+                if Path(p).is_file()]
+    return "\n\n".join([natural_text(), *licenses])
 
 
 def needle_text(key: int) -> str:
@@ -80,6 +75,7 @@ def depth_list(text: str) -> list[float]:
 
 def run(args) -> None:
     set_threads(args.threads)
+    print(machine_description())
     loaded = load_engine(args.model, dtype=args.dtype)
     tokenizer = loaded.tokenizer
     hay_ids = tokenizer.encode(haystack_text(args.haystack))
@@ -143,7 +139,9 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=IndexPoolConfig.topk)
     parser.add_argument("--window", type=int, default=IndexPoolConfig.window)
     parser.add_argument("--sinks", type=int, default=IndexPoolConfig.sinks)
-    add_sink_distance_option(parser)
+    parser.add_argument("--sink-distance", type=int, default=IndexPoolConfig.sink_distance,
+                        help="how far back the sinks sit once far tokens are selected (0: right before them, an "
+                             "earlier default)")
     parser.add_argument("--segment", type=int, default=IndexPoolConfig.segment)
     add_schedule_option(parser)
     parser.add_argument("--segment-block", type=int, default=IndexPoolConfig.segment_block,

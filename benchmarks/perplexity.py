@@ -5,33 +5,27 @@ each length, both modes read the same tokens in prefill segments and the negativ
 the tokens where IndexPool's attention differs from dense (positions past sinks + topk + window), plus, with
 --decode N, over N tokens fed one at a time (the decode path, which selects per query).
 
-    .venv/bin/python benchmarks/perplexity.py --lengths 4096,8192
+    .venv/bin/python -m benchmarks.perplexity --lengths 4096,8192
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from model.generate import Session  # noqa: E402
-from model.indexpool_cache import IndexPoolConfig  # noqa: E402
-from indexpool_cli.attention import AttentionChoice, default_indexer, describe_indexers, segment_indexer  # noqa: E402
-from model.runtime import load_engine, set_threads  # noqa: E402
-from indexpool_scale import add_schedule_option  # noqa: E402  (this script's folder is on sys.path)
+from benchmarks.common import add_schedule_option, machine_description, natural_text
+from model.generate import Session
+from model.indexpool_cache import IndexPoolConfig
+from indexpool_cli.attention import AttentionChoice, default_indexer, describe_indexers, segment_indexer
+from model.runtime import load_engine, set_threads
 
 
 def natural_text_ids(tokenizer, offset: int, length: int) -> list[int]:
-    import pydoc_data.topics
-
-    ids = tokenizer.encode("\n\n".join(pydoc_data.topics.topics.values()))
+    ids = tokenizer.encode(natural_text())
     if offset + length > len(ids):
         raise SystemExit(f"the text has {len(ids)} tokens; {offset} + {length} asked")
     return ids[offset : offset + length]
@@ -80,6 +74,7 @@ def main() -> None:
                         help="queries of a prefill segment sharing one far selection (default: the engine's)")
     args = parser.parse_args()
     set_threads(args.threads)
+    print(machine_description())
     loaded = load_engine(args.model)
     settings = [IndexPoolConfig(topk=args.topk, window=args.window, segment=args.segment, sink_distance=distance,
                                 segment_block=args.segment_block, schedule=args.schedule)

@@ -9,18 +9,15 @@ lengths and the memory available. Prints both wall times and their ratio, the sa
 prompts alone takes (measured first: prefill is the same work either way), and how many summaries came out
 identical.
 
-    taskset -c 0 .venv/bin/python benchmarks/section_batching.py --threads 1
+    taskset -c 0 .venv/bin/python -m benchmarks.section_batching --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import chapters_document, machine_description
 
 
 def main() -> None:
@@ -35,7 +32,6 @@ def main() -> None:
 
     import dataclasses
 
-    from benchmarks.summary_coverage import chapters_document
     from indexpool_cli.attention import AttentionChoice, available_memory_bytes, open_session
     from indexpool_cli.jobs import (SECTION_RESERVE, SECTION_SUMMARY_TOKENS, section_batch_size, section_prompts,
                                     split_sections, summarize_sections)
@@ -43,6 +39,7 @@ def main() -> None:
     from model.runtime import load_engine, set_threads
 
     threads = set_threads(args.threads)
+    print(machine_description())
     loaded = load_engine(None, args.dtype)
     tok = loaded.tokenizer
     document, _ = chapters_document(tok, args.length)

@@ -6,46 +6,15 @@ headed "Chapter N: <topic>", and summarizes it both ways with the default model 
 model's context, then the summaries. Coverage = the share of chapter topics named in the summary; a crude measure
 of a summary (no reference summaries exist offline), but it is the one `summarize --strategy auto` is chosen by.
 
-    .venv/bin/python benchmarks/summary_coverage.py --length 16000 --threads 1
+    .venv/bin/python -m benchmarks.summary_coverage --length 16000 --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-
-def build_chapters(tokenizer, length: int) -> tuple[str, list[str]]:
-    import pydoc_data.topics
-
-    topics = [(name, text) for name, text in sorted(pydoc_data.topics.topics.items()) if name.isalpha() and len(text) > 800]
-    chapters, names, total = [], [], 0
-    for i, (name, text) in enumerate(topics, 1):
-        chapter = f"Chapter {i}: {name}\n\n{text.strip()}\n\n"
-        total += len(tokenizer.encode(chapter))
-        if total > length:
-            break
-        chapters.append(chapter)
-        names.append(name)
-    return "".join(chapters), names
-
-
-def chapters_document(tokenizer, length: int):
-    """`build_chapters`' text read as a plain-text file (a Document), and the chapters' topics."""
-    import tempfile
-
-    from indexpool_cli.ingest import load_document
-
-    text, names = build_chapters(tokenizer, length)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "manual.txt"
-        path.write_text(text)
-        return load_document([str(path)]), names
+from benchmarks.common import chapters_document, machine_description
 
 
 def main() -> None:
@@ -63,6 +32,7 @@ def main() -> None:
     from model.runtime import load_engine, set_threads
 
     set_threads(args.threads)
+    print(machine_description())
     loaded = load_engine(None)
     tok = loaded.tokenizer
     document, names = chapters_document(tok, args.length)

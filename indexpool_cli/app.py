@@ -131,7 +131,7 @@ REMOTE_RESULTS = "remote-results"  # a folder of the document cache directory
 
 
 def cache_directory(given: Path | None) -> Path:
-    from model.tensor_cache import default_cache_dir
+    from kernels.native_build import default_cache_dir
 
     return given or default_cache_dir("documents")
 
@@ -825,7 +825,7 @@ def _glm5_next_facts(cfg, dtype, lengths: list[int]) -> dict:
     import torch
 
     from model.glm5_next import cache_size
-    from model.indexpool import FP8_DTYPE
+    from kernels.index_math import FP8_DTYPE
 
     kpool = cfg.index_kpool
     one_pool, one_pool_fp8 = cache_size(cfg, kpool, dtype), cache_size(cfg, kpool, dtype, FP8_DTYPE)

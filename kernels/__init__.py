@@ -19,12 +19,15 @@ INDEXPOOL_KERNELS=torch turns them off too.
 
 Backend: Triton on CUDA devices, torch elsewhere. `INDEXPOOL_KERNELS=auto|torch|triton` forces one; Triton on
 the CPU runs only in Triton's interpreter (`TRITON_INTERPRET=1`, set before Triton is imported), which the tests use.
+Both variables are read once, into the `KernelPolicy` that loading a model resolves (`resolve_policy`); every op
+reads the policy.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -32,9 +35,45 @@ BACKEND_VARIABLE = "INDEXPOOL_KERNELS"
 BACKEND_SETTINGS = ("auto", "torch", "triton")
 
 
+@dataclass(frozen=True)
+class KernelPolicy:
+    """Which kernels the engine runs. Resolved once, when a model is loaded (`resolve_policy`), from the
+    environment: the hot paths read this object, never the environment."""
+
+    backend: str = "auto"  # INDEXPOOL_KERNELS: auto (Triton on CUDA; C, else torch, on the CPU), torch, triton
+    interpret: bool = False  # TRITON_INTERPRET: Triton runs its CPU interpreter (read by Triton at kernel definition)
+
+    @classmethod
+    def from_environment(cls) -> KernelPolicy:
+        setting = os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() or "auto"
+        if setting not in BACKEND_SETTINGS:
+            raise ValueError(f"{BACKEND_VARIABLE}={setting!r} is not one of {', '.join(BACKEND_SETTINGS)}")
+        return cls(setting, os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"))
+
+    @property
+    def torch_only(self) -> bool:
+        """INDEXPOOL_KERNELS=torch: no C or Triton kernels anywhere."""
+        return self.backend == "torch"
+
+
+_policy: KernelPolicy | None = None
+
+
+def policy() -> KernelPolicy:
+    """The kernel policy in force (read from the environment on first use when no model load resolved it)."""
+    return _policy or resolve_policy()
+
+
+def resolve_policy(chosen: KernelPolicy | None = None) -> KernelPolicy:
+    """Put `chosen` in force, else the policy the environment says now; a bad INDEXPOOL_KERNELS is a ValueError."""
+    global _policy
+    _policy = chosen or KernelPolicy.from_environment()
+    return _policy
+
+
 def triton_interpreting() -> bool:
-    """Whether Triton runs its CPU interpreter: the variable is read as Triton reads it (at kernel definition)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+    """Whether Triton runs its CPU interpreter."""
+    return policy().interpret
 
 
 def _triton_imports() -> bool:
@@ -46,15 +85,13 @@ def _triton_imports() -> bool:
 
 
 def torch_forced() -> bool:
-    """INDEXPOOL_KERNELS=torch: no C or Triton kernels anywhere (read per call, so a test or a caller may switch)."""
-    return os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() == "torch"
+    """INDEXPOOL_KERNELS=torch: no C or Triton kernels anywhere."""
+    return policy().torch_only
 
 
 def kernel_backend(device: torch.device | str) -> str:
-    """"triton" or "torch" for tensors on `device`, from INDEXPOOL_KERNELS (auto: triton on CUDA when it imports)."""
-    setting = os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() or "auto"
-    if setting not in BACKEND_SETTINGS:
-        raise ValueError(f"{BACKEND_VARIABLE}={setting!r} is not one of {', '.join(BACKEND_SETTINGS)}")
+    """"triton" or "torch" for tensors on `device`, by the policy (auto: triton on CUDA when it imports)."""
+    setting = policy().backend
     device = torch.device(device)
     if setting == "torch":
         return "torch"
@@ -101,4 +138,4 @@ def __getattr__(name: str):
     return globals()[name]
 
 
-__all__ = ["kernel_backend", "triton_interpreting", *_OP_MODULES]
+__all__ = ["KernelPolicy", "kernel_backend", "policy", "resolve_policy", "triton_interpreting", *_OP_MODULES]

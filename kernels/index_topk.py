@@ -15,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from model.indexpool import FP8_DTYPE, fp8_dequantize, score_pools, select_tokens
-
 from . import check_launchable, kernel_backend
+from .index_math import FP8_DTYPE, fp8_dequantize, score_pools, select_tokens
 
 POOLED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
 NOT_CHOSEN = tl.constexpr(2**31 - 1)  # sorts after every pool index

@@ -35,13 +35,18 @@ def cpu_identity() -> str:
     return platform.processor() or platform.machine()
 
 
+def default_cache_dir(kind: str) -> Path:
+    """Where the engine keeps what it builds or prepares once (compiled kernels, prepared weights, read documents):
+    $XDG_CACHE_HOME/indexpool/KIND, else ~/.cache/indexpool/KIND."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "indexpool" / kind
+
+
 def build_native(source: Path, self_test: str, test_argv: tuple[str, ...] = (),
                  flags: tuple[str, ...] = FLAGS) -> tuple[ctypes.CDLL | None, str]:
     """The compiled library of `source` and a line saying where it came from ("C kernel (path)"), or (None, why
     not: a line starting "torch (", the path that runs instead). Callers cache the answer (functools.cache) and
     declare the functions' argument types themselves."""
-    from model.tensor_cache import default_cache_dir
-
     compiler = os.environ.get("CC", "cc")
     key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join((compiler, *flags)).encode(),
                                      cpu_identity().encode()]))

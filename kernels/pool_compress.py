@@ -13,9 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from model.indexpool import FP8_DTYPE, fp8_quantize, pool_keys
-
 from . import check_launchable, kernel_backend
+from .index_math import FP8_DTYPE, fp8_quantize, pool_keys
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
 

@@ -25,9 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from model.llama import apply_rope, rope_at
-
 from . import check_launchable, kernel_backend
+from .rope import apply_rope, rope_at
 from .pool_compress import round_to_dtype
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import kernel_backend
+from kernels.index_math import FP8_DTYPE, score_pools, select_tokens
 from kernels.kda import kda_chunked, kda_recurrent
 
-from .indexpool import FP8_DTYPE, PooledIndexCache, indexer_source_layers, score_pools, select_tokens
+from .indexpool import PooledIndexCache, indexer_source_layers
 
 KDA = "linear_attention"
 MLA = "indexed_attention"

@@ -78,7 +78,9 @@ def pruning_projection(loaded, share: float = PRUNING_SHARE, calibrating=context
     `calibrating()`, e.g. a spinner) and kept there."""
     from .indexer_training import calibration_text
     from .runtime import PREPARED_LIMIT_BYTES
-    from .tensor_cache import TensorCache, cache_key, default_cache_dir
+    from kernels.native_build import default_cache_dir
+
+    from .tensor_cache import TensorCache, cache_key
 
     store = TensorCache(default_cache_dir("models"), limit_bytes=PREPARED_LIMIT_BYTES)
     key = cache_key({"index_pruning": str(loaded.source.resolve()), "bytes": loaded.file_bytes, "dtype": str(loaded.model.dtype),

@@ -23,9 +23,11 @@ from typing import Callable
 
 import torch
 
-from .indexpool import fp8_dequantize, fp8_quantize, pool_keys
+from kernels.index_math import fp8_dequantize, fp8_quantize, pool_keys
 from .lightning_indexer import LightningIndexer, LightningIndexerConfig, ModelFingerprint
-from .llama import KVCache, Transformer, apply_rope, rope_tables
+from kernels.rope import apply_rope
+
+from .llama import KVCache, Transformer, rope_tables
 
 
 @dataclass(frozen=True)

@@ -56,11 +56,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels import kernel_backend
+from kernels.index_math import FP8_DTYPE
+from kernels.rope import apply_rope, rope_at
 from kernels.cpu_attention import native_attention, native_prefill
 
 from .indexers import Indexer
-from .indexpool import FP8_DTYPE, PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes
-from .llama import LlamaConfig, apply_rope, inverse_frequencies, rope_at
+from .indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes
+from .llama import LlamaConfig, inverse_frequencies
 
 INDEX_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8_DTYPE}
 KV_STORAGE = ("auto", "bf16", "int8", "full")

@@ -15,6 +15,7 @@ from torch import nn
 
 from kernels import cpu_decode
 from kernels.cpu_attention import decode_attention, native_attention_takes, native_prefill
+from kernels.rope import apply_rope
 
 from .quant import DecodeQuantLinear
 
@@ -67,21 +68,6 @@ def rope_tables(config: LlamaConfig, length: int, dtype: torch.dtype) -> tuple[t
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def rope_at(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos and sin (*S, 1, head_dim) at positions of any shape S, from angles computed in fp64: in fp32, an
-    angle near position 1M would be off by up to 0.06 rad."""
-    angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
-    cos, sin = angles.cos().float(), angles.sin().float()  # each angle once, then both halves
-    return torch.cat([cos, cos], dim=-1)[..., None, :], torch.cat([sin, sin], dim=-1)[..., None, :]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, heads, D); cos/sin: (T, 1, D)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class KVCache(nn.Module):

@@ -30,7 +30,7 @@ class DecodeQuantLinear(nn.Module):
     # The same for an fp32 model and the C kernels (which read the weights once per 8 rows): all the model's linears
     # (the output layer int8), one core of a busy 2-core Zen 3 VM without AVX-512, weights streaming from memory,
     # fp32 F.linear against the kernels: 1 row 52.2 against 17.8 ms, 4 rows 111.7 / 24.5, 8 rows 141.2 / 70.5,
-    # 16 rows 159.8 / 86.8, 32 rows 214.7 / 172.3 (OMP_NUM_THREADS=1 benchmarks/linear_kernels.py --rows
+    # 16 rows 159.8 / 86.8, 32 rows 214.7 / 172.3 (OMP_NUM_THREADS=1 python -m benchmarks.linear_kernels --rows
     # 1,4,8,16,32 --dtype fp32). 32 rows still win by 1.25x, shrinking (the kernels' time grows with the rows, fp32's
     # less; the 576x1536 layer already loses there): 16 keeps a clear margin.
     fp32_max_rows = 16

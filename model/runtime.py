@@ -10,10 +10,11 @@ import torch
 
 from .llama import LlamaConfig
 from .loader import LoadedModel, load_model, model_path
-from .tensor_cache import TensorCache, cache_key, default_cache_dir
+from .tensor_cache import TensorCache, cache_key
 from .quant import quantize_for_decode
-from kernels import cpu_linear
+from kernels import cpu_linear, resolve_policy
 from kernels.cpu_attention import native_attention_takes
+from kernels.native_build import default_cache_dir
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -49,7 +50,7 @@ def keep_freed_memory() -> bool:
     """Have glibc's malloc serve large blocks from its heap and keep them there when freed (up to 2 GiB free at its
     top), instead of mapping fresh pages for each block over 32 MB and unmapping them at free: IndexPool gathers
     each query's far keys anew in every layer (~27 MB for a question's tokens), and faulting those pages in again
-    cost more than gathering them (benchmarks/question_read.py). Resident memory then stays near its peak instead
+    cost more than gathering them (measured: docs/benchmarks.md). Resident memory then stays near its peak instead
     of shrinking between forwards; INDEXPOOL_KEEP_FREED_MEMORY=0 turns this off. False where it is off or the C
     library is not glibc."""
     if os.environ.get("INDEXPOOL_KEEP_FREED_MEMORY", "1") == "0":
@@ -84,6 +85,7 @@ def load_engine(model: str | os.PathLike | None, dtype: str = "auto", device: st
     A GGUF model's prepared weights (dequantized, plus the decode copies: seconds of work) are kept in the prepared
     weights cache (~/.cache/indexpool/models; INDEXPOOL_PREPARED_WEIGHTS=0 turns it off), so the next load reads
     them back instead."""
+    resolve_policy()  # the kernel choices, read from the environment once
     keep_freed_memory()
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)

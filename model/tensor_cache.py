@@ -28,11 +28,6 @@ DEFAULT_LIMIT_BYTES = 8 * 1024**3
 SUFFIX = ".safetensors"
 
 
-def default_cache_dir(kind: str) -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "indexpool" / kind
-
-
 def cache_key(identity: dict, tokens: list[int] = ()) -> str:
     """A hex key for an entry: `identity` (what shaped it, JSON-able) and, for a document, the tokens it holds."""
     digest = hashlib.sha256(json.dumps({"version": FORMAT_VERSION, **identity}, sort_keys=True).encode())

@@ -5,6 +5,7 @@ rows, head sizes the kernel specialises and others it falls back on), plus its f
 from __future__ import annotations
 
 import pytest
+from kernel_setting import use_kernels
 import torch
 
 from kernels import cpu_attention as cpu
@@ -95,7 +96,7 @@ def test_fp32_queries_read_a_bf16_cache(backend, monkeypatch):
     attention in bf16); within the bf16 bound of the kernel test above from exact attention on the rounded queries."""
     if backend == "auto":
         _require_kernel()
-    monkeypatch.setenv("INDEXPOOL_KERNELS", backend)
+    use_kernels(monkeypatch, backend)
     q, k, v, mask = _inputs(3, 12, 4, 137, 64, [137, 5, 70], torch.float32)
     k, v = k.bfloat16(), v.bfloat16()
     got = cpu.decode_attention(q, k, v, mask)
@@ -318,7 +319,7 @@ def test_no_key_seen_gives_zeros_probabilities_and_minus_infinity(dtype):
 def test_switch_to_torch(monkeypatch):
     """INDEXPOOL_KERNELS=torch runs the reference: the same values as the SDPA path, bit for bit."""
     q, k, v, mask = _inputs(3, 12, 4, 37, 64, [37, 5, 20], torch.float32)
-    monkeypatch.setenv("INDEXPOOL_KERNELS", "torch")
+    use_kernels(monkeypatch, "torch")
     assert cpu.decode_attention_path("cpu", torch.float32, 64) == "torch (INDEXPOOL_KERNELS=torch)"
     assert torch.equal(cpu.decode_attention(q, k, v, mask), cpu.decode_attention_reference(q, k, v, mask))
 
@@ -400,7 +401,7 @@ def test_engine_decodes_the_same_through_the_kernel(attention, monkeypatch):
         return torch.cat(steps)
 
     native = logits()
-    monkeypatch.setenv("INDEXPOOL_KERNELS", "torch")
+    use_kernels(monkeypatch, "torch")
     torch.testing.assert_close(native, logits(), atol=1e-5, rtol=0)
 
 
@@ -437,7 +438,7 @@ def test_engine_reads_through_the_prefill_kernel(attention, dtype, monkeypatch, 
     monkeypatch.setattr(library, "prefill_attention", lambda *args: calls.append(1) or kernel(*args))
     native = logits(model)
     assert calls  # the kernel ran
-    monkeypatch.setenv("INDEXPOOL_KERNELS", "torch")
+    use_kernels(monkeypatch, "torch")
     torch_path = logits(model)
     if dtype == torch.float32:
         assert (native - torch_path).abs().max().item() <= 1e-5 * torch_path.abs().max().item()

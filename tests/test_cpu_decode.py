@@ -6,6 +6,7 @@ at position 0 and a prompt that is not a multiple of any block size."""
 from __future__ import annotations
 
 import pytest
+from kernel_setting import use_kernels
 import torch
 
 from kernels import cpu_attention, cpu_decode, cpu_linear
@@ -101,9 +102,9 @@ def test_the_layer_code_runs_where_the_c_step_does_not(one_thread, monkeypatch):
     cache = model.new_cache(8)
     x = torch.zeros(1)
     assert model._decodes_in_c(cache, x)
-    monkeypatch.setenv("INDEXPOOL_KERNELS", "torch")
+    use_kernels(monkeypatch, "torch")
     assert not model._decodes_in_c(cache, x) and "INDEXPOOL_KERNELS=torch" in model.decode_step_path()
-    monkeypatch.delenv("INDEXPOOL_KERNELS")
+    use_kernels(monkeypatch, "auto")
     assert model._decodes_in_c(cache, x) and model.decode_step_path().startswith("all layers in one call")
     assert not model._decodes_in_c(model.new_cache(8, batch=2, kind=BatchKVCache), x)
     assert not model._decodes_in_c(cache, torch.zeros(1, requires_grad=True))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+from kernel_setting import use_kernels
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -187,7 +188,7 @@ def test_kernels_switched_off_use_the_fp32_weights(monkeypatch):
     needs_kernel()
     layer = fp32_linear(40, 64, False)
     quantized = DecodeQuantLinear(layer, 8)
-    monkeypatch.setenv("INDEXPOOL_KERNELS", "torch")
+    use_kernels(monkeypatch, "torch")
     x = torch.randn(2, 64)
     assert torch.equal(quantized(x), F.linear(x, layer.weight))
     assert decode_weights_path(nn.Sequential(quantized)) == "fp32 weights (INDEXPOOL_KERNELS=torch)"

@@ -3,17 +3,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-from doc_qa import answer_holds, bm25_ranking, coverage, location_matches, source_scores  # noqa: E402
-from doc_qa_documents import data_files, load_set  # noqa: E402
-
-from indexpool_cli.ingest import Part  # noqa: E402
+from benchmarks.doc_qa import answer_holds, bm25_ranking, coverage, location_matches, source_scores
+from benchmarks.doc_qa_documents import data_files, load_set
+from indexpool_cli.ingest import Part
 
 
 def test_an_answer_holds_the_fact_whatever_its_case_and_spacing():

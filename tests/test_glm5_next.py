@@ -24,7 +24,7 @@ from model.glm5_next import (
     speculative_tokens,
 )
 from model.glm5_next_loader import dequantize_fp8_blocks, generation_stop_ids, load_glm5_next
-from model.indexpool import FP8_DTYPE
+from kernels.index_math import FP8_DTYPE
 from tests.tiny_glm5_next import (
     END_TOKENS,
     VOCAB,

@@ -9,6 +9,7 @@ across a segment, and merges two attention parts by their log-sum-exps; both mus
 from dataclasses import replace
 
 import pytest
+from kernel_setting import use_kernels
 import torch
 
 from model.generate import Session
@@ -16,7 +17,8 @@ from model.indexers import TrainingFreeIndexer
 from model.indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes, pool_keys
 from model.indexpool_cache import INDEX_DTYPES, IndexPoolCache, IndexPoolConfig, place_far_tokens
 from model.lightning_indexer import LightningIndexer, LightningIndexerConfig, ModelFingerprint
-from model.llama import LlamaConfig, Transformer, apply_rope, inverse_frequencies, rope_at
+from kernels.rope import apply_rope, rope_at
+from model.llama import LlamaConfig, Transformer, inverse_frequencies
 
 CONFIG = LlamaConfig(vocab_size=97, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
                      context_length=64, rope_theta=10000.0)
@@ -290,7 +292,7 @@ def test_an_fp32_models_bf16_history_stays_close(monkeypatch, backend):
     part's queries too, as a bf16 model's): about 4x finer than int8's per-head steps (test above), so the bound
     where both attend to the same tokens is a fortieth of the logits' +-2 span, 0.05 (measured: 0.024 through the
     C kernel, 0.013 through the torch path)."""
-    monkeypatch.setenv("INDEXPOOL_KERNELS", backend)
+    use_kernels(monkeypatch, backend)
     model = tiny_model(5, replace(CONFIG, head_dim=32))  # a head size the C kernel takes
     prompts = prompts_for(9, [77, 100, 130, 161])
 
@@ -413,7 +415,7 @@ def test_evidence_is_the_same_through_the_c_kernel_and_the_torch_path(monkeypatc
     prompt = prompts_for(15, [140])[0]
     found = {}
     for backend in ("auto", "torch"):
-        monkeypatch.setenv("INDEXPOOL_KERNELS", backend)
+        use_kernels(monkeypatch, backend)
         session = Session(model, 256, attention=IndexPoolConfig(**dict(SETTINGS, query_tokens=12), kv_storage="full"))
         session.prefill(prompt[:115], query_tail=False)
         found[backend] = session.cache.evidence = AttentionEvidence(4, 140, local_band=3)

@@ -10,6 +10,7 @@ not a power of two (masked lanes), a nonzero initial state.
 from test_kernels import DEVICE  # first: it sets TRITON_INTERPRET before Triton is imported (or skips, saying why)
 
 import pytest
+from kernel_setting import use_kernels
 import torch
 
 from kernels.kda import kda_chunked, kda_chunked_reference, kda_recurrent, kda_recurrent_reference
@@ -30,7 +31,7 @@ SHAPES = [(2, 1, 3, 16, 16), (2, 3, 2, 24, 8), (2, 70, 2, 16, 32)]  # (B, T, H, 
 
 @pytest.fixture(autouse=True)
 def triton_backend(monkeypatch):
-    monkeypatch.setenv("INDEXPOOL_KERNELS", "triton")
+    use_kernels(monkeypatch, "triton")
 
 
 def kda_inputs(B: int, T: int, H: int, dk: int, dv: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -113,7 +114,7 @@ def test_glm5_next_on_triton_gives_the_torch_logits(monkeypatch, tiny_model):
     ids = torch.randint(0, VOCAB, (2, 72), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     logits = {}
     for backend in ("torch", "triton"):
-        monkeypatch.setenv("INDEXPOOL_KERNELS", backend)
+        use_kernels(monkeypatch, backend)
         logits[backend] = engine_logits(tiny_model, ids)
     # fp32 model: in the interpreter the paths differ in summation order only, 5.6e-6 on logits of magnitude ~4
     # (measured, the KDA layers 5.5e-6 of it). On a GPU chunk_kda's TF32 dots (see TF32) come through the output

@@ -12,6 +12,7 @@ import os
 import sys
 
 import pytest
+from kernel_setting import use_kernels
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,14 +26,14 @@ if DEVICE == "cpu":
 from kernels import (  # noqa: E402
     far_rope_tables, index_scores, index_scores_reference, index_topk, index_topk_reference, kernel_backend,
     pool_compress, pool_compress_reference, sparse_attention, sparse_attention_reference)
-from model.indexpool import FP8_DTYPE, fp8_quantize  # noqa: E402
-from model.llama import rope_at  # noqa: E402
+from kernels.index_math import FP8_DTYPE, fp8_quantize  # noqa: E402
+from kernels.rope import rope_at  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def triton_backend(monkeypatch):
     """Every op below runs its Triton path unless a test says otherwise."""
-    monkeypatch.setenv("INDEXPOOL_KERNELS", "triton")
+    use_kernels(monkeypatch, "triton")
 
 
 def one_ulp(reference: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -53,27 +54,27 @@ def randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- backend switch
 
 def test_backend_switch(monkeypatch):
-    monkeypatch.setenv("INDEXPOOL_KERNELS", "torch")
+    use_kernels(monkeypatch, "torch")
     assert kernel_backend(DEVICE) == "torch"
-    monkeypatch.delenv("INDEXPOOL_KERNELS")
+    use_kernels(monkeypatch, "auto")
     assert kernel_backend("cpu") == "torch"  # auto: Triton only on CUDA
     if DEVICE == "cuda":
         assert kernel_backend("cuda") == "triton"
-    monkeypatch.setenv("INDEXPOOL_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    use_kernels(monkeypatch, "triton")
     assert kernel_backend("cpu") == "triton"
-    monkeypatch.setenv("INDEXPOOL_KERNELS", "fast")
     with pytest.raises(ValueError, match="INDEXPOOL_KERNELS='fast' is not one of auto, torch, triton"):
-        kernel_backend("cpu")
+        use_kernels(monkeypatch, "fast")  # the policy is read (at a model load), not the op's call
 
 
 def test_forced_triton_on_cpu_without_interpreter_is_a_one_line_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    use_kernels(monkeypatch, "triton")
     keys = torch.zeros(1, 4, 8)
     with pytest.raises(ValueError, match="needs TRITON_INTERPRET=1") as error:
         pool_compress(keys, keys, torch.zeros(4, 8), 4)  # the op consults the backend before anything else
     assert "\n" not in str(error.value)
-    monkeypatch.setenv("INDEXPOOL_KERNELS", "torch")
+    use_kernels(monkeypatch, "torch")
     assert pool_compress(keys, keys, torch.zeros(4, 8), 4)[0].shape == (1, 1, 8)
 
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from kernel_setting import use_kernels
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -22,8 +23,12 @@ if DEVICE == "cpu":
                     "tests/test_kernels_engine.py on its own", allow_module_level=True)
     os.environ["TRITON_INTERPRET"] = "1"
 
+import kernels  # noqa: E402
+from kernels import kernel_backend  # noqa: E402
 from model.generate import Session  # noqa: E402
-from model.indexpool import FP8_DTYPE, PooledIndexCache, fp8_dequantize, fp8_quantize  # noqa: E402
+from model.runtime import load_engine  # noqa: E402
+from kernels.index_math import FP8_DTYPE, fp8_dequantize, fp8_quantize  # noqa: E402
+from model.indexpool import PooledIndexCache  # noqa: E402
 from model.indexpool_cache import AttentionEvidence, IndexPoolConfig  # noqa: E402
 from model.lightning_indexer import LightningIndexer, LightningIndexerConfig, ModelFingerprint  # noqa: E402
 from test_indexpool_cache import CONFIG, SETTINGS, prompts_for, run_session, tiny_model  # noqa: E402
@@ -42,7 +47,7 @@ def session_logits(monkeypatch, backend: str, model, prompt, **options) -> tuple
         self.cache.on_select = lambda layer, positions, far: selections.append(far.clone())
 
     with monkeypatch.context() as patch:
-        patch.setenv("INDEXPOOL_KERNELS", backend)
+        use_kernels(patch, backend)
         patch.setattr(Session, "__init__", recording_init)
         logits = run_session(model, SETTINGS, [prompt], new_tokens=4, **options)
     return logits, selections
@@ -78,7 +83,7 @@ def test_evidence_forwards_fall_back_to_the_torch_path(monkeypatch):
     prompt = prompts_for(22, [52])[0]
     evidence, logits = {}, {}
     for backend in BACKENDS:
-        monkeypatch.setenv("INDEXPOOL_KERNELS", backend)
+        use_kernels(monkeypatch, backend)
         session = Session(model, 64, attention=IndexPoolConfig(**SETTINGS, kv_storage="full"))  # fp32 on both
         session.prefill(prompt[:-3], query_tail=False)  # the Triton path, on the triton backend
         evidence[backend] = session.cache.evidence = AttentionEvidence(0, 52)
@@ -101,7 +106,7 @@ def test_pooled_index_appends_through_pool_compress(monkeypatch, dtype):
     keys, gates = (torch.randn(1, 30, 24, generator=generator).to(DEVICE) for _ in range(2))
     caches = {}
     for backend in BACKENDS:
-        monkeypatch.setenv("INDEXPOOL_KERNELS", backend)
+        use_kernels(monkeypatch, backend)
         cache = caches[backend] = PooledIndexCache(ape, 32, 1, dtype, DEVICE)
         assert cache.backend == backend
         for layer in range(2):
@@ -135,7 +140,7 @@ def test_lightning_scores_on_triton_stay_within_the_torch_paths_rounding(monkeyp
     pooled = fp8_dequantize(*fp8_quantize(torch.randn(1, 70, 32, generator=generator).to(DEVICE)))  # as the cache
     scores = {}
     for backend in BACKENDS:
-        monkeypatch.setenv("INDEXPOOL_KERNELS", backend)
+        use_kernels(monkeypatch, backend)
         with torch.no_grad():
             scores[backend] = indexer.score(0, q, weights, pooled)
     assert scores["triton"].shape == (1, 19, 70) and scores["triton"].isfinite().all()
@@ -152,11 +157,18 @@ def test_lightning_scores_on_triton_stay_within_the_torch_paths_rounding(monkeyp
         assert torch.equal(indexer.score(0, q, weights, pooled).detach(), scores["torch"])
 
 
-def test_a_bad_kernel_setting_is_a_one_line_error(monkeypatch):
+def test_a_bad_kernel_setting_is_a_one_line_error_at_load(monkeypatch):
     monkeypatch.setenv("INDEXPOOL_KERNELS", "fast")
     with pytest.raises(ValueError, match="INDEXPOOL_KERNELS='fast' is not one of auto, torch, triton") as error:
-        Session(tiny_model(), 64, attention=IndexPoolConfig(**SETTINGS))
+        load_engine(None)  # the kernel policy is resolved before anything is read
     assert "\n" not in str(error.value)
+
+
+def test_the_kernel_policy_is_read_at_load_not_per_call(monkeypatch):
+    """The hot paths read the policy resolved at load: a later change of the environment changes nothing."""
+    use_kernels(monkeypatch, "torch")
+    monkeypatch.setenv("INDEXPOOL_KERNELS", "triton")
+    assert kernel_backend("cpu") == "torch" and kernels.torch_forced()
 
 
 def test_the_cpu_path_never_imports_triton():

@@ -20,7 +20,7 @@ from model.indexer_training import (
     pool_targets,
     token_windows,
 )
-from model.indexpool import fp8_dequantize, fp8_quantize, pool_keys, score_pools
+from kernels.index_math import fp8_dequantize, fp8_quantize, pool_keys, score_pools
 from model.lightning_indexer import (
     LightningIndexer,
     LightningIndexerConfig,

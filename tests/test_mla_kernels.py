@@ -11,6 +11,7 @@ latents, a query that selects nothing, selections split over programs and merged
 from test_kernels import DEVICE, one_ulp  # first: it sets TRITON_INTERPRET before Triton is imported
 
 import pytest
+from kernel_setting import use_kernels
 import torch
 
 import kernels
@@ -22,7 +23,7 @@ from tests.tiny_glm5_next import VOCAB, build_checkpoint
 
 @pytest.fixture(autouse=True)
 def triton_backend(monkeypatch):
-    monkeypatch.setenv("INDEXPOOL_KERNELS", "triton")
+    use_kernels(monkeypatch, "triton")
 
 
 def mla_inputs(batch, n_queries, heads, rank, n_tokens, n_selected, dtype, seed):
@@ -123,7 +124,7 @@ def test_glm5_next_logits_on_the_kernel_are_the_torch_paths(tmp_path, monkeypatc
     monkeypatch.setattr(kernels, "index_topk", checked_topk)
     results = {}
     for backend in ("torch", "triton"):
-        monkeypatch.setenv("INDEXPOOL_KERNELS", backend)
+        use_kernels(monkeypatch, backend)
         results[backend] = logits(model, ids.to(DEVICE), [97, 45, 1]).cpu()
     assert sorted({n_queries for n_queries, _, _ in calls}) == [1, 45, 97]  # only the Triton run calls it
     assert len(calls) == 2 * 10  # two MLA layers, ten forwards

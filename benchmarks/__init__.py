@@ -1,0 +1,2 @@
+"""The benchmarks, each run from the repository root as `.venv/bin/python -m benchmarks.NAME` (its docstring says
+what it measures); what they share is in benchmarks/common.py."""
