@@ -30,11 +30,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
 
-    from indexpool_cli.attention import AttentionChoice, open_session
-    from indexpool_cli.jobs import (PROBE_QUESTION, DocumentTokens, ask_request, batch_size, document_prompt,
+    from indexpool.model.sessions import SessionOptions, open_session
+    from indexpool.jobs import (PROBE_QUESTION, DocumentTokens, ask_request, batch_size, document_prompt,
                                     evidence_baseline, request_messages, run_batch, run_request, session_identity)
-    from model.generate import Sampler, SamplingParams
-    from model.runtime import load_engine, set_threads
+    from indexpool.model.generate import Sampler, SamplingParams
+    from indexpool.model.runtime import load_engine, set_threads
 
     threads = set_threads(args.threads)
     print(machine_description())
@@ -45,7 +45,7 @@ def main() -> None:
     tokens = DocumentTokens.encode(tok, document)
     prompts = [document_prompt(tok, tokens, request_messages(ask_request(q))) for q in questions]
     n = args.max_new_tokens
-    choice = AttentionChoice()
+    choice = SessionOptions()
     session = open_session(loaded, choice, max(p.max_tokens for p in prompts) + n, auto="indexpool")
     t0 = time.perf_counter()
     session.prefill(prompts[0].ids[: prompts[0].reusable], query_tail=False)

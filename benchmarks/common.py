@@ -50,7 +50,7 @@ def leading_pieces(tokenizer, pieces, tokens: int) -> list[str]:
 
 def text_document(text: str, name: str):
     """`text` read as `indexpool` reads a plain-text file called `name` (a Document)."""
-    from indexpool_cli.ingest import load_document
+    from indexpool.ingest import load_document
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / name
@@ -120,7 +120,7 @@ def run_indexpool(*args: str, threads: int | None = None) -> tuple[str, float]:
 
 def add_schedule_option(parser: argparse.ArgumentParser) -> None:
     """--schedule, as the benchmarks take it: the indexer schedule (`IndexPoolConfig.schedule`), comma-separated."""
-    from model.indexpool_cache import IndexPoolConfig
+    from indexpool.model.indexpool_cache import IndexPoolConfig
 
     parser.add_argument("--schedule", type=lambda text: [kind.strip() for kind in text.split(",")],
                         default=list(IndexPoolConfig.schedule or ["full"]),

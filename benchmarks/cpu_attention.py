@@ -32,13 +32,13 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from kernels.cpu_attention import (decode_attention_reference, native_attention, native_library, native_prefill,
+    from indexpool.kernels.cpu_attention import (decode_attention_reference, native_attention, native_library, native_prefill,
                                        prefill_kernel_runs)
 
     torch.set_num_threads(args.threads)
     print(machine_description())
     if args.any_threads:  # the rule measured here: see prefill_kernel_runs
-        import kernels.cpu_attention as cpu_attention
+        import indexpool.kernels.cpu_attention as cpu_attention
 
         cpu_attention.FP32_PREFILL_THREADS = args.threads
     library, origin = native_library()

@@ -18,8 +18,8 @@ import time
 import torch
 
 from benchmarks.common import machine_description
-from model.generate import Session
-from model.runtime import load_engine, set_threads
+from indexpool.model.generate import Session
+from indexpool.model.runtime import load_engine, set_threads
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

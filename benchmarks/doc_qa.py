@@ -36,7 +36,7 @@ from pathlib import Path
 
 from benchmarks.common import machine_description, run_indexpool
 from benchmarks.doc_qa_documents import DocumentMissing, data_files, load_set, materialize
-from indexpool_cli.ingest import Part
+from indexpool.ingest import Part
 
 RTR_PARTS = 4  # parts retrieve-then-read places in the model's context
 RTR_TOKENS = 6144  # at most, within the model's 8K context with the request and the answer
@@ -78,7 +78,7 @@ def source_scores(sources: list[dict], places: list[dict]) -> tuple[bool, bool]:
 
 def bm25_ranking(parts, question: str) -> list[int]:
     """Part indices by plain Okapi BM25 (lowercased words, nothing else), best first."""
-    from indexpool_cli.retrieval import BM25
+    from indexpool.retrieval import BM25
 
     bm25 = BM25([_PLAIN_WORD.findall(p.text.lower()) for p in parts])
     scores = bm25.scores(_PLAIN_WORD.findall(question.lower()))
@@ -97,13 +97,13 @@ class RetrieveThenRead:
     """The same model answering from the top BM25 parts in its own (dense) context."""
 
     def __init__(self):
-        from model.runtime import load_engine
+        from indexpool.model.runtime import load_engine
 
         self.loaded = load_engine(None)
 
     def answer(self, document, ranking: list[int], question: str) -> str:
-        from indexpool_cli.ingest import Document
-        from indexpool_cli.jobs import ask_request, plain_request
+        from indexpool.ingest import Document
+        from indexpool.jobs import ask_request, plain_request
 
         tok = self.loaded.tokenizer
         chosen, size = [], 0
@@ -117,8 +117,8 @@ class RetrieveThenRead:
 
     def dense(self, document, request: str, max_new_tokens: int) -> str:
         """The model's greedy answer to `request` on `document` in its own context (dense attention)."""
-        from indexpool_cli.jobs import DocumentTokens, document_prompt, request_messages, run_request
-        from model.generate import Sampler, SamplingParams, Session
+        from indexpool.jobs import DocumentTokens, document_prompt, request_messages, run_request
+        from indexpool.model.generate import Sampler, SamplingParams, Session
 
         tok = self.loaded.tokenizer
         prompt = document_prompt(tok, DocumentTokens.encode(tok, document), request_messages(request))
@@ -144,8 +144,8 @@ def run_summarize(path: str, threads: int | None, *options: str) -> tuple[str, f
 
 def summarize_first_tokens(reader: RetrieveThenRead, document, budget: int) -> str:
     """The baseline summary: the same request on the document's first `budget` tokens only (dense)."""
-    from indexpool_cli.ingest import Document
-    from indexpool_cli.jobs import SUMMARY_LENGTHS, summary_request
+    from indexpool.ingest import Document
+    from indexpool.jobs import SUMMARY_LENGTHS, summary_request
 
     tok = reader.loaded.tokenizer
     new_tokens = SUMMARY_LENGTHS["medium"][1]
@@ -163,7 +163,7 @@ def summarize_first_tokens(reader: RetrieveThenRead, document, budget: int) -> s
 
 
 def evaluate(doc_set: dict, workdir: Path, reader: RetrieveThenRead, args) -> dict:
-    from indexpool_cli.ingest import load_document
+    from indexpool.ingest import load_document
 
     path = materialize(doc_set["document"], workdir, install=args.install)
     document = load_document([str(path)])
@@ -279,7 +279,7 @@ def main() -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="show every question's answers and sources")
     args = parser.parse_args()
 
-    from model.runtime import set_threads
+    from indexpool.model.runtime import set_threads
 
     set_threads(args.threads)
     names = [n for n in args.docs.split(",") if n] or [load_set(str(p))["name"] for p in data_files()]

@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--install", action="store_true", help="apt-get install the document's Debian package")
     args = parser.parse_args()
 
-    from indexpool_cli.ingest import load_document
+    from indexpool.ingest import load_document
 
     doc_set = load_set(args.name)
     with tempfile.TemporaryDirectory() as tmp:

@@ -76,7 +76,7 @@ def pool_cases(context: int, s: Shapes, device: str) -> list[Case]:
     """Cold start: a whole context of index keys and gate logits compressed into pooled keys in one call."""
     import torch
 
-    from kernels import pool_compress, pool_compress_reference
+    from indexpool.kernels import pool_compress, pool_compress_reference
 
     cases = []
     configs = [("trained d=32 fp32 -> bf16", s.trained_width, torch.float32, torch.bfloat16),
@@ -101,8 +101,8 @@ def index_cases(context: int, s: Shapes, device: str) -> list[Case]:
     queries, each selecting on its own), at the end of the context."""
     import torch
 
-    from kernels import index_scores, index_scores_reference, index_topk, index_topk_reference
-    from kernels.index_math import fp8_quantize
+    from indexpool.kernels import index_scores, index_scores_reference, index_topk, index_topk_reference
+    from indexpool.kernels.index_math import fp8_quantize
 
     n_pools = context // s.kpool
     cases = []
@@ -136,7 +136,7 @@ def attention_cases(context: int, s: Shapes, device: str) -> list[Case]:
     tokens (sinks + topk) gathered from a history of `context` tokens in bf16 or int8."""
     import torch
 
-    from kernels import far_rope_tables, sparse_attention, sparse_attention_reference
+    from indexpool.kernels import far_rope_tables, sparse_attention, sparse_attention_reference
 
     kv_width = s.kv_heads * s.head_dim
     inv_freq = 1.0 / (100000.0 ** (torch.arange(0, s.head_dim // 2, dtype=torch.float64, device=device) * 2
@@ -182,7 +182,7 @@ def mla_cases(context: int, s: Shapes, device: str) -> list[Case]:
     `context` bf16 latents."""
     import torch
 
-    from kernels import mla_sparse_attention, mla_sparse_attention_reference
+    from indexpool.kernels import mla_sparse_attention, mla_sparse_attention_reference
 
     n_selected = s.topk + s.kpool - 1
     latents = torch.randn(1, context, s.mla_rank, device=device).bfloat16()
@@ -206,7 +206,7 @@ def kda_cases(context: int, s: Shapes, device: str) -> list[Case]:
     state of kda_heads x kda_dim x kda_dim. O(1) in the context: the same work at every context."""
     import torch
 
-    from kernels.kda import KDA_CHUNK, kda_chunked, kda_chunked_reference, kda_recurrent, kda_recurrent_reference
+    from indexpool.kernels.kda import KDA_CHUNK, kda_chunked, kda_chunked_reference, kda_recurrent, kda_recurrent_reference
 
     H, d = s.kda_heads, s.kda_dim
     state = torch.randn(1, H, d, d, device=device) / d

@@ -96,19 +96,19 @@ def main() -> None:
                         help="quote the lines the question's reading found before answering (as ask does)")
     args = parser.parse_args()
 
-    from indexpool_cli.attention import AttentionChoice, open_session
-    from indexpool_cli.jobs import (PROBE_QUESTION, DocumentTokens, ask_request, document_prompt, evidence_baseline,
+    from indexpool.model.sessions import SessionOptions, open_session
+    from indexpool.jobs import (PROBE_QUESTION, DocumentTokens, ask_request, document_prompt, evidence_baseline,
                                     plain_request, read_document, request_messages, run_request, session_identity)
-    from model.generate import Sampler, SamplingParams
-    from model.runtime import load_engine, set_threads
+    from indexpool.model.generate import Sampler, SamplingParams
+    from indexpool.model.runtime import load_engine, set_threads
 
     set_threads(args.threads)
     print(machine_description())
     loaded = load_engine(None)
     tok = loaded.tokenizer
-    choice = AttentionChoice(indexer=args.indexer, attention=args.attention, prune_index=args.prune_index)
+    choice = SessionOptions(indexer=args.indexer, attention=args.attention, prune_index=args.prune_index)
     if args.topk:
-        choice.topk = args.topk
+        choice.indexpool.topk = args.topk
     runs = [True, False] if args.control else [True]
     for with_facts in runs:
         text, facts = build_document(tok, args.length, args.seed, with_facts)

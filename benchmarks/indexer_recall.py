@@ -35,17 +35,17 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import add_schedule_option, machine_description
-from model.indexer_training import DenseCapture, QueryRecorder, SparsePattern, held_out_text, pool_targets
-from model.indexpool_cache import IndexPoolCache, IndexPoolConfig
-from model.index_pruning import pruning_projection
-from model.indexers import TrainingFreeIndexer
-from kernels.index_math import FP8_DTYPE
-from kernels.rope import apply_rope
-from model.indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes
-from model.lightning_indexer import LightningIndexer, ModelFingerprint, default_indexer_path
-from model.llama import rope_tables
-from model.runtime import load_engine
-from indexpool_cli.attention import AttentionChoice, default_indexer, segment_indexer
+from indexpool.model.indexer_training import DenseCapture, QueryRecorder, SparsePattern, held_out_text, pool_targets
+from indexpool.model.indexpool_cache import IndexPoolCache, IndexPoolConfig
+from indexpool.model.index_pruning import pruning_projection
+from indexpool.model.indexers import TrainingFreeIndexer
+from indexpool.kernels.index_math import FP8_DTYPE
+from indexpool.kernels.rope import apply_rope
+from indexpool.model.indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes
+from indexpool.model.lightning_indexer import LightningIndexer, ModelFingerprint, default_indexer_path
+from indexpool.model.llama import rope_tables
+from indexpool.model.runtime import load_engine
+from indexpool.model.sessions import SessionOptions, default_indexer, segment_indexer
 
 
 TEACHERS = {
@@ -255,7 +255,7 @@ def main() -> None:
 
     print(f"{loaded.name}, dense {args.dtype}, held-out pydoc topics; sinks {pattern.sinks}, window {pattern.window}, "
           f"top {pattern.topk // pattern.kpool} pools of {pattern.kpool}; {args.positions} queries in the last 10%")
-    choice = AttentionChoice(indexer=args.reader)
+    choice = SessionOptions(indexer=args.reader)
     reader, segment_reader = (None, None) if args.states == "dense" else (default_indexer(choice, loaded),
                                                                           segment_indexer(choice, loaded))
     for length in lengths:

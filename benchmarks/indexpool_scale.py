@@ -25,16 +25,16 @@ from benchmarks.common import add_schedule_option, long_read_progress, machine_d
 def worker(length: int, mode: str, decode: int, threads: int | None, options: dict) -> dict:
     import torch
 
-    from model.generate import Session
-    from model.indexpool_cache import IndexPoolConfig
-    from indexpool_cli.attention import AttentionChoice, default_indexer, describe_indexers, segment_indexer
-    from model.runtime import load_engine, set_threads
+    from indexpool.model.generate import Session
+    from indexpool.model.indexpool_cache import IndexPoolConfig
+    from indexpool.model.sessions import SessionOptions, default_indexer, describe_indexers, segment_indexer
+    from indexpool.model.runtime import load_engine, set_threads
 
     set_threads(threads)
     loaded = load_engine(None)
     ids = natural_ids(loaded.tokenizer, length)
     settings = mode == "indexpool"
-    choice = AttentionChoice(indexer=options.pop("indexer"), prune_index=options.pop("prune_index"))
+    choice = SessionOptions(indexer=options.pop("indexer"), prune_index=options.pop("prune_index"))
     indexer, for_segments = default_indexer(choice, loaded), segment_indexer(choice, loaded)
     session = Session(loaded.model, length + decode, attention=IndexPoolConfig(**options) if settings else None,
                       indexer=indexer if settings else None, segment_indexer=for_segments if settings else None)

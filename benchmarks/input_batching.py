@@ -58,11 +58,11 @@ def main() -> None:
 
 
 def engine_only(texts: list[str], threads: int | None) -> None:
-    from indexpool_cli.ingest import Document, Part
-    from indexpool_cli.jobs import (SUMMARY_LENGTHS, DocumentTokens, document_prompt, generate_each, request_messages,
+    from indexpool.ingest import Document, Part
+    from indexpool.jobs import (SUMMARY_LENGTHS, DocumentTokens, document_prompt, generate_each, request_messages,
                                     summary_request)
-    from model.generate import Sampler, SamplingParams, Session
-    from model.runtime import load_engine, set_threads
+    from indexpool.model.generate import Sampler, SamplingParams, Session
+    from indexpool.model.runtime import load_engine, set_threads
 
     set_threads(threads)
     loaded = load_engine(None)

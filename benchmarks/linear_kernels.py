@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import machine_description, median_seconds
-from kernels import cpu_linear
+from indexpool.kernels import cpu_linear
 
 SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 49152)]  # (in, out): qkv, gate/up, down, output
 
@@ -32,8 +32,8 @@ def micros(fn, n=200) -> float:
 
 
 def model_layers(rows_list: list[int], dtype: str) -> None:
-    from model.quant import DecodeQuantLinear
-    from model.runtime import load_engine
+    from indexpool.model.quant import DecodeQuantLinear
+    from indexpool.model.runtime import load_engine
 
     model = load_engine(None, dtype).model
     full = str(model.dtype).removeprefix("torch.")

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import machine_description
-from model.glm5_next import Glm5NextModel, SpeculativeStats, greedy_generate, speculative_generate
-from model.glm5_next_loader import load_glm5_next
-from model.runtime import set_threads
+from indexpool.model.glm5_next import Glm5NextModel, SpeculativeStats, greedy_generate, speculative_generate
+from indexpool.model.glm5_next_loader import load_glm5_next
+from indexpool.model.runtime import set_threads
 
 
 def oracle_drafts(model: Glm5NextModel, full: list[int]):

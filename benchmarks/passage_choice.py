@@ -26,7 +26,7 @@ SCORERS = [("words", 0.0, 0.0, True), ("attention", 1.0, 0.0, False), ("words + 
 def choose(lexical, attention, likelihood, candidates, attention_weight, model_weight, words) -> int:
     """The passage a scorer puts first: attention alone over every passage; the others among the candidates, as
     `passage_quote` ranks them (`ranked_passages`; a weight None: ask's)."""
-    from indexpool_cli import jobs
+    from indexpool import jobs
 
     if not words:
         return max(range(len(attention)), key=attention.__getitem__)
@@ -42,13 +42,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
 
-    from indexpool_cli.attention import AttentionChoice, open_session
-    from indexpool_cli.ingest import load_document
-    from indexpool_cli.jobs import (PROBE_QUESTION, RERANK_CONTEXT_TOKENS, DocumentTokens, ask_request,
+    from indexpool.model.sessions import SessionOptions, open_session
+    from indexpool.ingest import load_document
+    from indexpool.jobs import (PROBE_QUESTION, RERANK_CONTEXT_TOKENS, DocumentTokens, ask_request,
                                     document_prompt, evidence_baseline, passage_attention, question_likelihoods,
                                     read_document, request_evidence, request_messages, rerank_candidates,
                                     session_identity)
-    from model.runtime import load_engine, set_threads
+    from indexpool.model.runtime import load_engine, set_threads
 
     set_threads(args.threads)
     print(machine_description())
@@ -71,7 +71,7 @@ def main() -> None:
             tokens = DocumentTokens.encode(tok, document)
             prompts = [document_prompt(tok, tokens, request_messages(ask_request(q["question"])))
                        for q in doc_set["questions"]]
-            choice = AttentionChoice()
+            choice = SessionOptions()
             session = open_session(loaded, choice, max(p.max_tokens for p in prompts), auto="indexpool")
             identity = session_identity(loaded, session, choice)
             read_document(session, prompts[0], identity, None, name, print, None)
@@ -84,11 +84,7 @@ def main() -> None:
             hits = {label: [0, 0] for label, *_ in SCORERS}
             for q, prompt in zip(doc_set["questions"], prompts):
                 evidence = request_evidence(session.cache, prompt)
-                session.cache.evidence = evidence
-                try:
-                    session.prefill(prompt.ids[: prompt.quote_at])
-                finally:
-                    session.cache.evidence = None
+                session.prefill(prompt.ids[: prompt.quote_at], evidence=evidence)
                 session.tokens = session.tokens[: session.cache.truncate(prompt.reusable)]
                 lexical = index.lexical.passage_scores(prompt.question)
                 attention = passage_attention(evidence.beyond(baseline), evidence.start - prompt.doc_start, spans)

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import add_schedule_option, long_read_progress, machine_description, natural_text
-from model.generate import GenerationStats, SamplingParams, Sampler, Session
-from model.indexpool_cache import IndexPoolConfig
-from indexpool_cli.attention import AttentionChoice, default_indexer, describe_indexers, segment_indexer
-from model.runtime import load_engine, set_threads
+from indexpool.model.generate import GenerationStats, SamplingParams, Sampler, Session
+from indexpool.model.indexpool_cache import IndexPoolConfig
+from indexpool.model.sessions import SessionOptions, default_indexer, describe_indexers, segment_indexer
+from indexpool.model.runtime import load_engine, set_threads
 
 DEPTHS = [0.05 + 0.1 * i for i in range(10)]
 QUESTION = "\n\nWhat is the pass key? Answer with the number only."
@@ -79,7 +79,7 @@ def run(args) -> None:
     loaded = load_engine(args.model, dtype=args.dtype)
     tokenizer = loaded.tokenizer
     hay_ids = tokenizer.encode(haystack_text(args.haystack))
-    choice = AttentionChoice(indexer=args.indexer, prune_index=args.prune_index)
+    choice = SessionOptions(indexer=args.indexer, prune_index=args.prune_index)
     indexer, for_segments = default_indexer(choice, loaded), segment_indexer(choice, loaded)
     rng = random.Random(args.seed)
     print(f"model {loaded.name}, indexer {describe_indexers(indexer, for_segments)}, {args.haystack} haystack of {len(hay_ids)} tokens, threads {torch.get_num_threads()}", flush=True)

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import add_schedule_option, machine_description, natural_text
-from model.generate import Session
-from model.indexpool_cache import IndexPoolConfig
-from indexpool_cli.attention import AttentionChoice, default_indexer, describe_indexers, segment_indexer
-from model.runtime import load_engine, set_threads
+from indexpool.model.generate import Session
+from indexpool.model.indexpool_cache import IndexPoolConfig
+from indexpool.model.sessions import SessionOptions, default_indexer, describe_indexers, segment_indexer
+from indexpool.model.runtime import load_engine, set_threads
 
 
 def natural_text_ids(tokenizer, offset: int, length: int) -> list[int]:
@@ -79,7 +79,7 @@ def main() -> None:
     settings = [IndexPoolConfig(topk=args.topk, window=args.window, segment=args.segment, sink_distance=distance,
                                 segment_block=args.segment_block, schedule=args.schedule)
                 for distance in args.sink_distances]
-    choice = AttentionChoice(indexer=args.indexer, prune_index=args.prune_index)
+    choice = SessionOptions(indexer=args.indexer, prune_index=args.prune_index)
     indexer, for_segments = default_indexer(choice, loaded), segment_indexer(choice, loaded)
     first_scored = settings[0].sinks + settings[0].topk + settings[0].window + settings[0].kpool
     print(f"model {loaded.name}, indexer {describe_indexers(indexer, for_segments)}; scored: tokens from {first_scored} on; threads {torch.get_num_threads()}")

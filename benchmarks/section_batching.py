@@ -32,11 +32,11 @@ def main() -> None:
 
     import dataclasses
 
-    from indexpool_cli.attention import AttentionChoice, available_memory_bytes, open_session
-    from indexpool_cli.jobs import (SECTION_RESERVE, SECTION_SUMMARY_TOKENS, section_batch_size, section_prompts,
+    from indexpool.model.sessions import SessionOptions, available_memory_bytes, open_session
+    from indexpool.jobs import (SECTION_RESERVE, SECTION_SUMMARY_TOKENS, section_batch_size, section_prompts,
                                     split_sections, summarize_sections)
-    from model.generate import Sampler, SamplingParams
-    from model.runtime import load_engine, set_threads
+    from indexpool.model.generate import Sampler, SamplingParams
+    from indexpool.model.runtime import load_engine, set_threads
 
     threads = set_threads(args.threads)
     print(machine_description())
@@ -47,7 +47,7 @@ def main() -> None:
     budget = min(args.section_tokens or context, context - SECTION_RESERVE)
     sections = split_sections(document, lambda part: len(tok.encode(part)), budget)
     prompts = section_prompts(tok, sections)
-    dense = dataclasses.replace(AttentionChoice(), attention="dense")
+    dense = dataclasses.replace(SessionOptions(), attention="dense")
     size = section_batch_size(open_session(loaded, dense, context), [len(p.ids) for p in prompts],
                               SECTION_SUMMARY_TOKENS, available_memory_bytes())
     print(f"{loaded.name}, {loaded.model.dtype}, {threads} thread(s); {len(sections)} sections, prompts of "

@@ -25,11 +25,11 @@ def main() -> None:
 
     import dataclasses
 
-    from indexpool_cli.attention import AttentionChoice, open_session
-    from indexpool_cli.jobs import (SUMMARY_LENGTHS, DocumentTokens, document_prompt, read_document, request_messages,
+    from indexpool.model.sessions import SessionOptions, open_session
+    from indexpool.jobs import (SUMMARY_LENGTHS, DocumentTokens, document_prompt, read_document, request_messages,
                                     run_request, session_identity, summarize_hierarchical, summary_request)
-    from model.generate import Sampler, SamplingParams
-    from model.runtime import load_engine, set_threads
+    from indexpool.model.generate import Sampler, SamplingParams
+    from indexpool.model.runtime import load_engine, set_threads
 
     set_threads(args.threads)
     print(machine_description())
@@ -37,7 +37,7 @@ def main() -> None:
     tok = loaded.tokenizer
     document, names = chapters_document(tok, args.length)
     request, budget = summary_request("long", None), SUMMARY_LENGTHS["long"][1]
-    choice = AttentionChoice()
+    choice = SessionOptions()
     results = {}
 
     t0 = time.perf_counter()

@@ -20,7 +20,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from model.errors import ModelLoadError
+from indexpool.model.errors import ModelLoadError, SettingsError
 
 from .attention import AttentionChoice, attention_options, open_session, speculative_session
 from .console import InputError, err_console, fail, prefill_progress, read_text_input, show_stats
@@ -87,7 +87,7 @@ class SamplingChoice:
     seed: Annotated[Optional[int], typer.Option("--seed", help="Seed for reproducible sampling.")] = None
 
     def sampler(self):
-        from model.generate import Sampler, SamplingParams
+        from indexpool.model.generate import Sampler, SamplingParams
 
         if self.top_p == 0:
             raise typer.BadParameter("--top-p must be greater than 0")
@@ -116,7 +116,7 @@ class DocumentChoice:
         return document
 
     def cache(self):
-        from model.tensor_cache import TensorCache
+        from indexpool.model.tensor_cache import TensorCache
 
         return TensorCache(cache_directory(self.cache_dir)) if self.doc_cache else None
 
@@ -131,13 +131,13 @@ REMOTE_RESULTS = "remote-results"  # a folder of the document cache directory
 
 
 def cache_directory(given: Path | None) -> Path:
-    from kernels.native_build import default_cache_dir
+    from indexpool.kernels.native_build import default_cache_dir
 
     return given or default_cache_dir("documents")
 
 
 def _load(run: RunChoice):
-    from model.runtime import decode_bits, default_device, load_engine, resolve_dtype, set_threads
+    from indexpool.model.runtime import decode_bits, default_device, load_engine, resolve_dtype, set_threads
 
     try:
         resolve_dtype(run.dtype, default_device())
@@ -157,7 +157,7 @@ def _load(run: RunChoice):
 
 def _stream(session, tokenizer, prompt_ids, sampler, max_new_tokens, json_out: bool, quiet: bool):
     """Generate, writing text to stdout as it comes unless JSON is wanted; returns (text, stats)."""
-    from model.generate import GenerationStats
+    from indexpool.model.generate import GenerationStats
 
     stats = GenerationStats()
     decoder = tokenizer.stream_decoder()
@@ -249,7 +249,7 @@ def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, ru
     generated: together, as branches of the held document, when the session allows (`jobs.batch_size`), else in
     turn. `doc` and `loaded` when the caller has them already; `remote` sends the requests to a server instead;
     `label` names the input in --json (one of several). Results are shown in the requests' order."""
-    from .attention import available_memory_bytes
+    from indexpool.model.sessions import available_memory_bytes
     from .jobs import (PROBE_QUESTION, DocumentTokens, answer_mode, ask_request, batch_size, document_prompt,
                        evidence_baseline, extract_answer, plain_request, read_document, request_messages, run_batch,
                        run_request, session_identity)
@@ -510,7 +510,7 @@ def _summarize_batched(loaded, docs, counts: list[int], strategies: list[str], r
     """The summaries of the inputs that fit the model's context (one pass), decoded together on a dense session
     in batches as large as memory allows; {input index: JobResult}. Empty when fewer than two fit, or when
     --attention indexpool asks for IndexPool (a batch of different documents is dense)."""
-    from .attention import available_memory_bytes
+    from indexpool.model.sessions import available_memory_bytes
     from .jobs import (SECTION_RESERVE, DocumentTokens, document_prompt, generate_each, request_messages,
                        section_batch_size)
     from .remote import matched_sources
@@ -668,7 +668,7 @@ CacheDirOpt = Annotated[Optional[Path], typer.Option("--cache-dir", help="Docume
 @cache_app.command("list")
 def cache_list(cache_dir: CacheDirOpt = None, json_out: JsonOpt = False):
     """List cached documents, most recently used first."""
-    from model.tensor_cache import TensorCache
+    from indexpool.model.tensor_cache import TensorCache
 
     cache = TensorCache(cache_directory(cache_dir))
     entries = cache.entries()
@@ -688,7 +688,7 @@ def cache_list(cache_dir: CacheDirOpt = None, json_out: JsonOpt = False):
 @cache_app.command("clear")
 def cache_clear(cache_dir: CacheDirOpt = None):
     """Delete every cached document, and the results kept from servers (--backend openai)."""
-    from model.tensor_cache import TensorCache
+    from indexpool.model.tensor_cache import TensorCache
 
     cache = TensorCache(cache_directory(cache_dir))
     freed = cache.clear()
@@ -709,8 +709,8 @@ def info(
     glm5_next's own cache) and the cache size at --tokens."""
     import torch
 
-    from kernels.cpu_attention import decode_attention_path, prefill_attention_path
-    from model.quant import DecodeQuantLinear, decode_weights_path
+    from indexpool.kernels.cpu_attention import decode_attention_path, prefill_attention_path
+    from indexpool.model.quant import DecodeQuantLinear, decode_weights_path
 
     lengths = _token_counts(tokens)
     if config is not None:
@@ -808,7 +808,7 @@ def _llama_cache_bytes(facts: dict, n: int) -> dict:
 
 
 def _read_glm5_next_config(path: Path):
-    from model.glm5_next import Glm5NextConfig
+    from indexpool.model.glm5_next import Glm5NextConfig
 
     file = path / "config.json" if path.is_dir() else path
     try:
@@ -824,8 +824,8 @@ def _glm5_next_facts(cfg, dtype, lengths: list[int]) -> dict:
     the totals with a per-token DSA indexer and with dense MLA."""
     import torch
 
-    from model.glm5_next import cache_size
-    from kernels.index_math import FP8_DTYPE
+    from indexpool.model.glm5_next import cache_size
+    from indexpool.kernels.index_math import FP8_DTYPE
 
     kpool = cfg.index_kpool
     one_pool, one_pool_fp8 = cache_size(cfg, kpool, dtype), cache_size(cfg, kpool, dtype, FP8_DTYPE)
@@ -863,16 +863,17 @@ def _glm5_next_facts(cfg, dtype, lengths: list[int]) -> dict:
 
 def _indexpool_bytes(loaded) -> dict:
     """IndexPool cache bytes per token (all layers) with the default settings and indexer, per storage choice."""
-    from model.indexpool_cache import IndexPoolCache
+    from indexpool.model.indexpool_cache import IndexPoolCache
 
-    from .attention import default_indexer, segment_indexer
+    from indexpool.model.sessions import default_indexer, segment_indexer
 
-    choice = AttentionChoice()
-    indexer, for_segments = default_indexer(choice, loaded), segment_indexer(choice, loaded)
+    from .attention import calibrating
+
+    options = AttentionChoice().options()
+    indexer, for_segments = default_indexer(options, loaded, calibrating), segment_indexer(options, loaded)
     parts = {}
     for kv_storage, index_dtype in (("bf16", "bf16"), ("int8", "fp8")):
-        settings = choice.settings()
-        settings.kv_storage, settings.index_dtype = kv_storage, index_dtype
+        settings = dataclasses.replace(options.indexpool, kv_storage=kv_storage, index_dtype=index_dtype)
         try:
             cache = IndexPoolCache(loaded.config, settings, indexer, 4 * settings.kpool, loaded.model.dtype,
                                    segment_indexer=for_segments)
@@ -902,7 +903,7 @@ def bench(
     json_out: JsonOpt = False,
 ):
     """Benchmark our engine against transformers (and llama.cpp if installed) on the same weights."""
-    from model.runtime import decode_bits
+    from indexpool.model.runtime import decode_bits
 
     from .bench import ENGINES, run_bench
 
@@ -936,6 +937,8 @@ def main() -> None:
         except ConfigError as e:
             fail(str(e), code=2)
         group.main(prog_name="indexpool", default_map=defaults, auto_envvar_prefix="INDEXPOOL")
+    except SettingsError as e:  # a setting the engine cannot run with: a usage error
+        fail(str(e), code=2)
     except (ModelLoadError, InputError, IngestError) as e:
         fail(str(e), code=3)
     except RemoteError as e:

@@ -28,7 +28,7 @@ def run_bench(model, contexts, prefill_length, decode_tokens, repeats, engines, 
               decode_weights: tuple[str, ...] = ("auto",)) -> None:
     """decode_weights: our engine runs once per choice (`--decode-weights`), in this order; the ratios are the
     first run's."""
-    from model.default_model import default_model_path
+    from indexpool.model.default_model import default_model_path
 
     from .console import err_console
 
@@ -48,7 +48,7 @@ def run_bench(model, contexts, prefill_length, decode_tokens, repeats, engines, 
                 continue
             job = {**spec, **variant}
             err_console.print(f"[dim]running {engine} ({', '.join(variant.values())})...[/dim]")
-            proc = subprocess.run([sys.executable, "-m", "indexpool_cli.bench", engine, json.dumps(job)], capture_output=True, text=True)
+            proc = subprocess.run([sys.executable, "-m", "indexpool.bench", engine, json.dumps(job)], capture_output=True, text=True)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
             if proc.returncode != 0 or not lines:
                 reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -68,7 +68,7 @@ def _native_bf16() -> bool:
     took all of them in under 5."""
     import torch
 
-    from model.runtime import default_device, resolve_dtype
+    from indexpool.model.runtime import default_device, resolve_dtype
 
     return resolve_dtype("auto", default_device()) == torch.bfloat16
 
@@ -118,10 +118,10 @@ def _time(fn) -> float:
 
 
 def _worker_indexpool(job):
-    from model.generate import Session
-    from model.runtime import load_engine
+    from indexpool.model.generate import Session
+    from indexpool.model.runtime import load_engine
 
-    from model.quant import DecodeQuantLinear
+    from indexpool.model.quant import DecodeQuantLinear
 
     loaded = load_engine(job["model"], job["dtype"], decode_weights=job.get("decode_weights", "auto"))
     model, vocab = loaded.model, loaded.config.vocab_size

@@ -10,11 +10,9 @@ from typing import Callable, Iterator, NoReturn
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from indexpool.model.errors import InputError  # the user's input cannot be used: exit code 3
+
 err_console = Console(stderr=True, highlight=False)
-
-
-class InputError(Exception):
-    """The user's input cannot be used (empty, undecodable, too long): exit code 3."""
 
 
 def fail(message: str, code: int) -> NoReturn:

@@ -35,10 +35,10 @@ def distill(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
 ):
     """Distill a lightning indexer (IndexPool's trained k-pool indexer) from the model's dense attention."""
-    from model.indexer_training import DistillConfig, SparsePattern, default_training_texts, token_windows, validation_text
-    from model.indexer_training import distill as run_distillation
-    from model.lightning_indexer import ModelFingerprint, default_indexer_location
-    from model.runtime import load_engine, set_threads
+    from indexpool.model.indexer_training import DistillConfig, SparsePattern, default_training_texts, token_windows, validation_text
+    from indexpool.model.indexer_training import distill as run_distillation
+    from indexpool.model.lightning_indexer import ModelFingerprint, default_indexer_location
+    from indexpool.model.runtime import load_engine, set_threads
 
     pattern = SparsePattern(kpool=kpool)
     config = DistillConfig(context=context, sequences=sequences, steps=steps, storage=storage, seed=seed, pattern=pattern)

@@ -27,9 +27,9 @@ from typing import Callable
 
 import torch
 
-from model.indexpool_cache import AttentionEvidence, IndexPoolCache
-from model.llama import KVCache
-from model.tensor_cache import TensorCache, cache_key
+from indexpool.model.indexpool_cache import AttentionEvidence, IndexPoolCache
+from indexpool.model.llama import KVCache
+from indexpool.model.tensor_cache import TensorCache, cache_key
 from .console import InputError
 from .ingest import Document, Part
 from .retrieval import LexicalIndex, Passage
@@ -263,7 +263,7 @@ def question_likelihoods(model, tokenizer, contexts: list[list[int]], question: 
     """For each context (a passage's tokens), the mean log-probability the model gives the question's tokens
     after it and a "Question:" line: how well the passage leads to what is asked (query likelihood). Each is one
     short dense forward of its own."""
-    from model.generate import Session
+    from indexpool.model.generate import Session
 
     asked = tokenizer.encode(" " + question.strip())
     lead = tokenizer.encode("\n\nQuestion:")
@@ -489,33 +489,26 @@ def run_request(session, tokenizer, prompt: DocumentPrompt, document: Document, 
     (ranked beyond `baseline`, `evidence_baseline`'s, when given). A request with a place for a quote, given a
     baseline, is read in two steps: up to that place, then with the lines its reading pointed at quoted there
     (`Session.read_shared`: the quote sits in the recent window; its far selection matters little)."""
-    from model.generate import GenerationStats
+    from indexpool.model.generate import GenerationStats
 
-    cache = session.cache
-    evidence = request_evidence(cache, prompt) if with_sources else None
-    if evidence is not None:
-        cache.evidence = evidence
+    evidence = request_evidence(session.cache, prompt) if with_sources else None
     stats = GenerationStats()
     decoder = tokenizer.stream_decoder()
     pieces, quote = [], None
     t0 = time.perf_counter()
-    try:
-        ids = prompt.ids
-        if quotes(prompt, evidence):
-            session.prefill(prompt.ids[: prompt.quote_at])
-            quote = passage_quote(tokenizer, prompt, evidence, baseline, session.model)
-            ids = with_quote(tokenizer, prompt, quote)
-            session.read_shared(ids)  # `generate` reads the last token
-        for token in session.generate(ids, sampler, max_new_tokens, tokenizer.stop_ids, stats):
-            pieces.append(piece := decoder.push(token))
-            if piece and on_text:
-                on_text(piece)
-        pieces.append(tail := decoder.flush())
-        if tail and on_text:
-            on_text(tail)
-    finally:
-        if evidence is not None:
-            cache.evidence = None
+    ids = prompt.ids
+    if quotes(prompt, evidence):
+        session.prefill(prompt.ids[: prompt.quote_at], evidence=evidence)
+        quote = passage_quote(tokenizer, prompt, evidence, baseline, session.model)
+        ids = with_quote(tokenizer, prompt, quote)
+        session.read_shared(ids, evidence)  # `generate` reads the last token
+    for token in session.generate(ids, sampler, max_new_tokens, tokenizer.stop_ids, stats, evidence=evidence):
+        pieces.append(piece := decoder.push(token))
+        if piece and on_text:
+            on_text(piece)
+    pieces.append(tail := decoder.flush())
+    if tail and on_text:
+        on_text(tail)
     return job_result("".join(pieces), stats, prompt, document, evidence, with_sources, cached, read_seconds,
                       time.perf_counter() - t0, baseline, quote, tokenizer)
 
@@ -538,7 +531,7 @@ def requests_that_fit(count: int, bytes_per_request: int, available_bytes: int |
 def batch_size(session, prompts: list[DocumentPrompt], max_new_tokens: int, available_bytes: int | None) -> int:
     """How many requests to decode together: all of them (up to MAX_BATCH) when the session can branch them
     and their buffers fit in half the memory available; 1 (one after another) otherwise."""
-    from model.indexpool_branches import bytes_per_branch
+    from indexpool.model.indexpool_branches import bytes_per_branch
 
     ids = [p.ids for p in prompts]
     more = max(p.max_tokens - len(p.ids) for p in prompts)  # a quote's tokens
@@ -632,17 +625,13 @@ def extract_answer(session, tokenizer, prompt: DocumentPrompt, document: Documen
     """An extractive answer: the question is read after the held document (its attention evidence), and the
     answer is the passage its words and its reading point to most (`passage_quote`), cited with the others
     quoted. None when the request has no question to quote for or nothing is found (generate instead)."""
-    from model.generate import GenerationStats
+    from indexpool.model.generate import GenerationStats
 
     evidence = request_evidence(session.cache, prompt)
     if not quotes(prompt, evidence):
         return None
     t0 = time.perf_counter()
-    session.cache.evidence = evidence
-    try:
-        session.prefill(prompt.ids[: prompt.quote_at])
-    finally:
-        session.cache.evidence = None
+    session.prefill(prompt.ids[: prompt.quote_at], evidence=evidence)
     quote = passage_quote(tokenizer, prompt, evidence, baseline, session.model)
     session.tokens = session.tokens[: session.cache.truncate(prompt.reusable)]  # the document alone again
     if quote is None:
@@ -671,11 +660,7 @@ def evidence_baseline(session, tokenizer, document: DocumentTokens, prompt: Docu
         baseline.mass.copy_(saved[1]["mass"])
         baseline.queries = int(saved[1]["queries"])
         return baseline
-    session.cache.evidence = baseline
-    try:
-        session.prefill(probe.ids)
-    finally:
-        session.cache.evidence = None
+    session.prefill(probe.ids, evidence=baseline)
     # Back to the document alone: a question must be read from the same point whether or not the probe ran (the
     # probe's tail shares some template tokens with it, which would otherwise be kept and not counted as queries).
     session.tokens = session.tokens[: session.cache.truncate(prompt.reusable)]
@@ -795,7 +780,7 @@ def summarize_hierarchical(loaded, document: Document, final_request: str, max_n
     memory allows (`section_batch_size`), then a summary of those summaries, which cites the sections.
     `open_dense(needed)` / `open_final(needed)` open the sessions; on_section(the batch's sections, total) before
     each batch."""
-    from .attention import available_memory_bytes
+    from indexpool.model.sessions import available_memory_bytes
 
     tok = loaded.tokenizer
     budget = min(section_tokens or loaded.config.context_length, loaded.config.context_length - SECTION_RESERVE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -155,14 +156,28 @@ class Session:
         self.cache.import_state(state)
         self.tokens = list(tokens)
 
+    def reading(self, evidence: AttentionEvidence | None = None, shared_selection: bool = False,
+                on_select: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None):
+        """How the forwards of a call read (`IndexPoolCache.reading`); nothing to set on a dense cache."""
+        if isinstance(self.cache, IndexPoolCache):
+            return self.cache.reading(evidence, shared_selection, on_select)
+        return nullcontext()
+
     @torch.inference_mode()
     def prefill(self, prompt: list[int], on_progress: Callable[[int, int], None] | None = None,
-                query_tail: bool = True) -> torch.Tensor:
+                query_tail: bool = True, evidence: AttentionEvidence | None = None,
+                on_select: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
         """Make the cache hold exactly `prompt`, reusing the longest common prefix; returns the last logits (1, V).
 
         Tokens are fed in segments, so no T x T score matrix is ever built. With IndexPool the prompt's last
         `query_tokens` tokens (where a question is) choose their far tokens one by one; query_tail=False skips
-        that for a prompt that is only a document (faster; a question appended later gets it)."""
+        that for a prompt that is only a document (faster; a question appended later gets it). IndexPool:
+        `evidence` learns where the short forwards look, `on_select` sees every layer's selection."""
+        with self.reading(evidence, on_select=on_select):
+            return self._prefill(prompt, on_progress, query_tail)
+
+    def _prefill(self, prompt: list[int], on_progress: Callable[[int, int], None] | None,
+                 query_tail: bool) -> torch.Tensor:
         if not prompt:
             raise ValueError("the prompt is empty")
         if len(prompt) > self.max_length:
@@ -182,17 +197,15 @@ class Session:
         return logits[:, -1]
 
     @torch.inference_mode()
-    def read_shared(self, prompt: list[int]) -> None:
+    def read_shared(self, prompt: list[int], evidence: AttentionEvidence | None = None,
+                    on_select: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> None:
         """Hold `prompt` but its last token, the new tokens sharing one far selection (IndexPool: for tokens whose
         far context matters little, such as a quote of lines the recent window holds; per-query selection costs
         each query a gather of topk keys per layer). The `prefill` or `generate` of `prompt` that follows reads
         the last token, which selects for itself as the tokens after it will."""
         if isinstance(self.cache, IndexPoolCache) and len(prompt) - common_prefix(self.tokens, prompt) > 1:
-            self.cache.shared_selection = True
-            try:
-                self.prefill(prompt[:-1])
-            finally:
-                self.cache.shared_selection = False
+            with self.reading(evidence, shared_selection=True, on_select=on_select):
+                self._prefill(prompt[:-1], None, True)
 
     @torch.inference_mode()
     def generate(
@@ -203,12 +216,14 @@ class Session:
         stop_ids: frozenset[int] | set[int] = frozenset(),
         stats: GenerationStats | None = None,
         on_prefill_progress: Callable[[int, int], None] | None = None,
+        evidence: AttentionEvidence | None = None,
     ) -> Iterator[int]:
-        """Yield new token ids one by one. Stop tokens end generation and are neither yielded nor cached."""
+        """Yield new token ids one by one. Stop tokens end generation and are neither yielded nor cached.
+        IndexPool: `evidence` learns where the prompt's reading and the new tokens look."""
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens = len(prompt)
         t0 = time.perf_counter()
-        logits = self.prefill(prompt, on_prefill_progress)
+        logits = self.prefill(prompt, on_prefill_progress, evidence=evidence)
         token = sampler(logits)
         stats.prefill_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -225,14 +240,8 @@ class Session:
                 break
             # The last token allowed is fed too, so that the session holds it for a next turn; its attention picks
             # no token of this answer, so it adds no evidence (`generate_branches` stops before it).
-            evidence = getattr(self.cache, "evidence", None) if stats.new_tokens == max_new_tokens else None
-            if evidence is not None:
-                self.cache.evidence = None
-            try:
+            with self.reading(evidence if stats.new_tokens < max_new_tokens else None):
                 logits = self.model(token.view(1, 1), len(self.tokens), self.cache)[:, -1]
-            finally:
-                if evidence is not None:
-                    self.cache.evidence = evidence
             self.tokens.append(token_id)
             token = sampler(logits)
         stats.decode_seconds = time.perf_counter() - t0
@@ -309,19 +318,15 @@ class Session:
         stats, first_logits = [GenerationStats(prompt_tokens=len(p)) for p in prompts], []
         for b, prompt in enumerate(prompts):
             t0 = time.perf_counter()
-            self.cache.evidence = evidence[b]
-            try:
-                logits = self.prefill(prompt)
-                more = then_read(b) if then_read else []
-                if len(more) > more_tokens:
-                    raise ValueError(f"then_read gave {len(more)} tokens, more than more_tokens ({more_tokens})")
-                if more:
-                    self.read_shared(prompt + more)
-                    logits = self.prefill(prompt + more)
-                    stats[b].prompt_tokens += len(more)
-                first_logits.append(logits)
-            finally:
-                self.cache.evidence = None
+            logits = self.prefill(prompt, evidence=evidence[b])
+            more = then_read(b) if then_read else []
+            if len(more) > more_tokens:
+                raise ValueError(f"then_read gave {len(more)} tokens, more than more_tokens ({more_tokens})")
+            if more:
+                self.read_shared(prompt + more, evidence[b])
+                logits = self.prefill(prompt + more, evidence=evidence[b])
+                stats[b].prompt_tokens += len(more)
+            first_logits.append(logits)
             branches.take_branch(b)
             self.tokens = list(shared)
             stats[b].prefill_seconds = time.perf_counter() - t0

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import kernel_backend
-from kernels.index_math import FP8_DTYPE, score_pools, select_tokens
-from kernels.kda import kda_chunked, kda_recurrent
+from indexpool.kernels import kernel_backend
+from indexpool.kernels.index_math import FP8_DTYPE, score_pools, select_tokens
+from indexpool.kernels.kda import kda_chunked, kda_recurrent
 
 from .indexpool import PooledIndexCache, indexer_source_layers
 
@@ -577,7 +577,7 @@ class Indexer(nn.Module):
         q = self.wq_b(q_resid).unflatten(-1, (self.heads, self.head_dim))
         weights = self.weights_proj(x).float() * self.heads ** -0.5
         if cache.backend == "triton":  # scoring, top-k, expansion and the tail in two kernels
-            from kernels import index_topk
+            from indexpool.kernels import index_topk
 
             pooled, scale = cache.index.stored(slot)
             return index_topk(q, weights, pooled, cache.positions, self.kpool, self.topk, scale)
@@ -635,7 +635,7 @@ class MultiLatentAttention(nn.Module):
         w_uk, w_uv = self._up_projections()
         q_latent = torch.einsum("bthd,hdr->bthr", q, w_uk)
         if backend == "triton":
-            from kernels import mla_sparse_attention
+            from indexpool.kernels import mla_sparse_attention
 
             mixed = mla_sparse_attention(q_latent, latents, selected, self.scale)
         else:

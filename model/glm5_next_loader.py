@@ -18,7 +18,7 @@ import torch
 
 from .errors import ModelLoadError
 from .glm5_next import MODEL_TYPES, Glm5NextConfig, Glm5NextModel
-from kernels.index_math import FP8_DTYPE
+from indexpool.kernels.index_math import FP8_DTYPE
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
 DEFAULT_FP8_BLOCK = (128, 128)

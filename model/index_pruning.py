@@ -78,7 +78,7 @@ def pruning_projection(loaded, share: float = PRUNING_SHARE, calibrating=context
     `calibrating()`, e.g. a spinner) and kept there."""
     from .indexer_training import calibration_text
     from .runtime import PREPARED_LIMIT_BYTES
-    from kernels.native_build import default_cache_dir
+    from indexpool.kernels.native_build import default_cache_dir
 
     from .tensor_cache import TensorCache, cache_key
 

@@ -23,9 +23,9 @@ from typing import Callable
 
 import torch
 
-from kernels.index_math import fp8_dequantize, fp8_quantize, pool_keys
+from indexpool.kernels.index_math import fp8_dequantize, fp8_quantize, pool_keys
 from .lightning_indexer import LightningIndexer, LightningIndexerConfig, ModelFingerprint
-from kernels.rope import apply_rope
+from indexpool.kernels.rope import apply_rope
 
 from .llama import KVCache, Transformer, rope_tables
 

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from kernels import cpu_linear
+from indexpool.kernels import cpu_linear
 
 from .llama import LlamaConfig
 

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import kernel_backend
-from kernels.index_math import FP8_DTYPE, fp8_dequantize, fp8_quantize, pool_keys
+from indexpool.kernels import kernel_backend
+from indexpool.kernels.index_math import FP8_DTYPE, fp8_dequantize, fp8_quantize, pool_keys
 
 STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)  # fp32: exact comparisons in tests
 FP8_SCALE_BYTES = 4  # one fp32 scale per fp8 vector
@@ -90,7 +90,7 @@ class PooledIndexCache:
             first = self.n_pools(layer)
             written = slice(first, first + n_complete // self.kpool)
             if self.backend == "triton":
-                from kernels import pool_compress
+                from indexpool.kernels import pool_compress
 
                 pool_compress(keys[:, :n_complete], gates[:, :n_complete], self.ape[layer], self.kpool, self.dtype,
                               out=self._pooled[layer, :, written],

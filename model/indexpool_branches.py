@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .indexpool_cache import (AttentionEvidence, IndexPoolCache, attention_with_lse, far_attention, gathered_key_mass,
                               merge_attention, place_far_tokens)
-from kernels.rope import apply_rope, rope_at
+from indexpool.kernels.rope import apply_rope, rope_at
 
 
 def max_branch_tokens(base: IndexPoolCache) -> int:

@@ -49,16 +49,17 @@ import math
 import os
 import tempfile
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from kernels import kernel_backend
-from kernels.index_math import FP8_DTYPE
-from kernels.rope import apply_rope, rope_at
-from kernels.cpu_attention import native_attention, native_prefill
+from indexpool.kernels import kernel_backend
+from indexpool.kernels.index_math import FP8_DTYPE
+from indexpool.kernels.rope import apply_rope, rope_at
+from indexpool.kernels.cpu_attention import native_attention, native_prefill
 
 from .indexers import Indexer
 from .indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes
@@ -278,10 +279,23 @@ class IndexPoolCache:
         self.inv_freq = inverse_frequencies(config).to(device)
         self.length = 0  # tokens held
         self.selections: dict[int, torch.Tensor] = {}  # far positions chosen by each layer in this forward
-        # Called as on_select(layer, query_positions, far_positions) after each layer's selection.
+        # How the forwards inside `reading` read (none outside it): where short forwards (a question, an answer)
+        # look, whether the queries of a forward share one selection however short it is, and a hook called as
+        # on_select(layer, query_positions, far_positions) after each layer's selection.
+        self.evidence: AttentionEvidence | None = None
+        self.shared_selection = False
         self.on_select: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-        self.evidence: AttentionEvidence | None = None  # set to learn where short forwards (a question, an answer) look
-        self.shared_selection = False  # set for forwards whose queries share one selection however short they are
+
+    @contextmanager
+    def reading(self, evidence: AttentionEvidence | None = None, shared_selection: bool = False,
+                on_select: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None):
+        """The forwards inside the block read this way (see __init__); as before once it ends."""
+        saved = self.evidence, self.shared_selection, self.on_select
+        self.evidence, self.shared_selection, self.on_select = evidence, shared_selection, on_select
+        try:
+            yield self
+        finally:
+            self.evidence, self.shared_selection, self.on_select = saved
 
     def bytes_per_token(self) -> dict[str, float]:
         """Bytes per token over all layers: history K/V, pooled index (amortised over a pool)."""
@@ -395,7 +409,7 @@ class IndexPoolCache:
         placed = place_far_tokens(torch.arange(n_attended, device=device), self.ws, n_attended, self.n_sinks,
                                   self.sink_gap)
         if self.backend == "triton":
-            from kernels import far_rope_tables
+            from indexpool.kernels import far_rope_tables
 
             self.far_rope = far_rope_tables(self.inv_freq, placed)
         cos, sin = rope_at(self.inv_freq, placed)
@@ -534,7 +548,7 @@ class IndexPoolCache:
     def _sparse_attention(self, layer: int, q_rot: torch.Tensor, far: torch.Tensor) -> torch.Tensor:
         """`attend`'s far part, window and own tokens as one kernel call: the window buffer from ws to the forward's
         end, each query seeing it up to itself."""
-        from kernels import sparse_attention
+        from indexpool.kernels import sparse_attention
 
         store, window = self.store, slice(self.ws - self.recent_start, self.end - self.recent_start)
         scales = (store.k_scale[layer], store.v_scale[layer]) if store.quantized else (None, None)

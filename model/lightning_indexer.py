@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import kernel_backend
+from indexpool.kernels import kernel_backend
 
 from .indexers import hide_pools_past
 
@@ -118,7 +118,7 @@ class LightningIndexer(nn.Module):
         Without gradients, where `kernel_backend` says Triton: `kernels.index_scores` on the queries rounded to the
         pooled keys' dtype, as here; it keeps each head's logit in fp32 where this path rounds it to bf16."""
         if not torch.is_grad_enabled() and kernel_backend(pooled.device) == "triton":
-            from kernels import index_scores
+            from indexpool.kernels import index_scores
 
             # Every pool handed in is scored: positions past the last one make them all visible.
             everything = torch.full(q.shape[:2], pooled.shape[1] * self.kpool, dtype=torch.long, device=q.device)

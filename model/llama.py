@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_decode
-from kernels.cpu_attention import decode_attention, native_attention_takes, native_prefill
-from kernels.rope import apply_rope
+from indexpool.kernels import cpu_decode
+from indexpool.kernels.cpu_attention import decode_attention, native_attention_takes, native_prefill
+from indexpool.kernels.rope import apply_rope
 
 from .quant import DecodeQuantLinear
 

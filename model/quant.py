@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import cpu_linear
+from indexpool.kernels import cpu_linear
 
 INT4_GROUP = 32
 

@@ -12,9 +12,9 @@ from .llama import LlamaConfig
 from .loader import LoadedModel, load_model, model_path
 from .tensor_cache import TensorCache, cache_key
 from .quant import quantize_for_decode
-from kernels import cpu_linear, resolve_policy
-from kernels.cpu_attention import native_attention_takes
-from kernels.native_build import default_cache_dir
+from indexpool.kernels import cpu_linear, resolve_policy
+from indexpool.kernels.cpu_attention import native_attention_takes
+from indexpool.kernels.native_build import default_cache_dir
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

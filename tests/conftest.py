@@ -10,7 +10,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The package is used from the checkout, not installed: make `import model` work from any working directory.
+# The package (`indexpool`) is installed in editable mode; the checkout's root on the path gives the tests the
+# benchmarks (`benchmarks.doc_qa`) and the test helpers under `tests.` from any working directory.
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
@@ -27,8 +28,8 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def default_gguf_metadata() -> dict:
-    from model.default_model import default_model_path
-    from model.gguf_file import read_gguf
+    from indexpool.model.default_model import default_model_path
+    from indexpool.model.gguf_file import read_gguf
 
     return read_gguf(default_model_path()).metadata
 
@@ -36,7 +37,7 @@ def default_gguf_metadata() -> dict:
 @pytest.fixture(scope="session")
 def default_tokenizer(default_gguf_metadata):
     """Our tokenizer for the default model (SmolLM2-135M-Instruct)."""
-    from model.tokenizer import Tokenizer
+    from indexpool.model.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf_metadata(default_gguf_metadata)
 
@@ -51,7 +52,7 @@ def reference_tokenizer():
     from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
-    from model.default_model import default_model_path
+    from indexpool.model.default_model import default_model_path
 
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -1,7 +1,7 @@
 """Tests switch the engine's kernels as a user does, with INDEXPOOL_KERNELS (for any subprocess), and put the
 policy it gives in force for the test (`kernels.resolve_policy` runs at a model load; the ops read the policy)."""
 
-import kernels
+from indexpool import kernels
 
 
 def use_kernels(monkeypatch, setting: str) -> None:

@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.cpu_attention import native_attention_takes
-from indexpool_cli.jobs import MAX_BATCH, section_batch_size
-from model.generate import GenerationStats, Sampler, SamplingParams, Session
-from model.indexpool_cache import IndexPoolConfig
-from model.llama import BatchKVCache
+from indexpool.kernels.cpu_attention import native_attention_takes
+from indexpool.jobs import MAX_BATCH, section_batch_size
+from indexpool.model.generate import GenerationStats, Sampler, SamplingParams, Session
+from indexpool.model.indexpool_cache import IndexPoolConfig
+from indexpool.model.llama import BatchKVCache
 from tests.test_indexpool_cache import CONFIG, tiny_model
 
 LENGTHS = (45, 1, 17, 6)  # very different lengths, the longest near the 64-token context

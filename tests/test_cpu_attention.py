@@ -8,8 +8,8 @@ import pytest
 from kernel_setting import use_kernels
 import torch
 
-from kernels import cpu_attention as cpu
-from kernels import native_build
+from indexpool.kernels import cpu_attention as cpu
+from indexpool.kernels import native_build
 
 
 # (batch, query heads, KV heads, keys, head size, per-sequence visible lengths or None)
@@ -381,9 +381,9 @@ def test_engine_decodes_the_same_through_the_kernel(attention, monkeypatch):
     _require_kernel()
     from dataclasses import replace
 
-    from model.generate import Session
-    from model.indexpool_cache import IndexPoolConfig
-    from model.llama import Transformer
+    from indexpool.model.generate import Session
+    from indexpool.model.indexpool_cache import IndexPoolConfig
+    from indexpool.model.llama import Transformer
     from tests.test_indexpool_cache import CONFIG, SETTINGS, prompts_for
 
     config = replace(CONFIG, head_dim=32)
@@ -418,9 +418,9 @@ def test_engine_reads_through_the_prefill_kernel(attention, dtype, monkeypatch, 
     import copy
     from dataclasses import replace
 
-    from model.generate import Session
-    from model.indexpool_cache import IndexPoolConfig
-    from model.llama import Transformer
+    from indexpool.model.generate import Session
+    from indexpool.model.indexpool_cache import IndexPoolConfig
+    from indexpool.model.llama import Transformer
     from tests.test_indexpool_cache import CONFIG, prompts_for
 
     torch.manual_seed(3)

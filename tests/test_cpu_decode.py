@@ -9,9 +9,9 @@ import pytest
 from kernel_setting import use_kernels
 import torch
 
-from kernels import cpu_attention, cpu_decode, cpu_linear
-from model.llama import BatchKVCache, LlamaConfig, Transformer
-from model.quant import quantize_for_decode
+from indexpool.kernels import cpu_attention, cpu_decode, cpu_linear
+from indexpool.model.llama import BatchKVCache, LlamaConfig, Transformer
+from indexpool.model.quant import quantize_for_decode
 
 
 def needs_kernels():
@@ -133,7 +133,7 @@ def test_a_whole_generation_is_the_same_either_way(one_thread):
     """Greedy decoding of 12 tokens through the session API, with the C step and with the layer code: the same
     tokens (fp32 cache)."""
     needs_kernels()
-    from model.generate import Sampler, SamplingParams, Session
+    from indexpool.model.generate import Sampler, SamplingParams, Session
 
     model = tiny_model(seed=3)
     model.cache_dtype = torch.float32

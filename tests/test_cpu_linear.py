@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_linear, native_build
-from model.quant import DecodeQuantLinear, decode_weights_path, quantize_for_decode
+from indexpool.kernels import cpu_linear, native_build
+from indexpool.model.quant import DecodeQuantLinear, decode_weights_path, quantize_for_decode
 
 U = 2.0**-24  # fp32 unit roundoff
 
@@ -253,7 +253,7 @@ def test_fp32_engine_gets_the_copies_and_keeps_them_through_the_prepared_weights
     """The default model (Q4_1) in fp32: int4 copies of every layer's linears and the output layer at int8, the
     same buffers whether computed or read back from the prepared-weights cache (compute=False)."""
     needs_kernel()
-    from model.runtime import load_engine
+    from indexpool.model.runtime import load_engine
 
     first = load_engine(None, "fp32")  # computed, or read back if an earlier run saved it
     second = load_engine(None, "fp32")  # read back

@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.doc_qa import answer_holds, bm25_ranking, coverage, location_matches, source_scores
 from benchmarks.doc_qa_documents import data_files, load_set
-from indexpool_cli.ingest import Part
+from indexpool.ingest import Part
 
 
 def test_an_answer_holds_the_fact_whatever_its_case_and_spacing():

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from indexpool_cli.ingest import Document, Part
-from indexpool_cli.jobs import (QUOTE_CLOSE, QUOTE_OPEN, QUOTE_TOKENS, DocumentTokens, ask_request, document_prompt,
+from indexpool.ingest import Document, Part
+from indexpool.jobs import (QUOTE_CLOSE, QUOTE_OPEN, QUOTE_TOKENS, DocumentTokens, ask_request, document_prompt,
                                 evidence_quote, plain_request, request_messages, with_quote)
-from model.indexpool_cache import AttentionEvidence
+from indexpool.model.indexpool_cache import AttentionEvidence
 
 LINES = [f"Line {i}: the {word} of the harbour is described here in a few plain words." for i, word in
          enumerate(["bell", "crane", "light", "wall", "gate", "boat", "rope", "dock", "tide", "flag"])]

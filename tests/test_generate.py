@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_attention import native_attention_takes
-from model.generate import GenerationStats, Sampler, SamplingParams, Session
-from model.quant import DecodeQuantLinear
-from model.runtime import cpu_has_bf16, load_engine, resolve_dtype
+from indexpool.kernels.cpu_attention import native_attention_takes
+from indexpool.model.generate import GenerationStats, Sampler, SamplingParams, Session
+from indexpool.model.quant import DecodeQuantLinear
+from indexpool.model.runtime import cpu_has_bf16, load_engine, resolve_dtype
 
 PROMPT = "The capital of France is"
 
@@ -244,7 +244,7 @@ def test_fp32_quantized_decode_agrees_with_fp32_on_a_short_prefix(engine):
     """On an fp32 model the C kernels of kernels/cpu_linear.c run the int4/int8 copies (up to
     DecodeQuantLinear.fp32_max_rows rows: these short prompts' prefill too). Quantization changes the logits as in
     the bf16 test above, so the same check: 8 greedy tokens, one of two prompts equal to the fp32 weights' tokens."""
-    from kernels import cpu_linear
+    from indexpool.kernels import cpu_linear
 
     library, origin = cpu_linear.native_library()
     if library is None:

@@ -11,10 +11,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from kernels.kda import kda_chunked_reference, kda_recurrent_reference
-from model.errors import ModelLoadError
-from model.generate import Sampler, SamplingParams, Session
-from model.glm5_next import (
+from indexpool.kernels.kda import kda_chunked_reference, kda_recurrent_reference
+from indexpool.model.errors import ModelLoadError
+from indexpool.model.generate import Sampler, SamplingParams, Session
+from indexpool.model.glm5_next import (
     Glm5NextConfig,
     Glm5NextModel,
     SpeculativeStats,
@@ -23,8 +23,8 @@ from model.glm5_next import (
     speculative_generate,
     speculative_tokens,
 )
-from model.glm5_next_loader import dequantize_fp8_blocks, generation_stop_ids, load_glm5_next
-from kernels.index_math import FP8_DTYPE
+from indexpool.model.glm5_next_loader import dequantize_fp8_blocks, generation_stop_ids, load_glm5_next
+from indexpool.kernels.index_math import FP8_DTYPE
 from tests.tiny_glm5_next import (
     END_TOKENS,
     VOCAB,
@@ -270,7 +270,7 @@ def feed_rest(model: Glm5NextModel, cache, ids: torch.Tensor, start: int) -> tor
 def test_saved_state_continues_exactly_like_the_original(tiny, ids, tmp_path, index_dtype):
     """Export after 50 tokens (mid-pool: the unfinished pool's raw keys are part of the state), save and load it
     as the document cache does, import it into a fresh cache: what follows gives the original's logits."""
-    from model.tensor_cache import TensorCache
+    from indexpool.model.tensor_cache import TensorCache
 
     ours = tiny.model
     original = ours.new_cache(100, index_dtype=index_dtype)
@@ -499,7 +499,7 @@ def test_load_model_routes_a_glm5_next_directory(tiny, ids, expected):
     import pydoc_data.topics
     from tokenizers import Tokenizer as HFTokenizer
 
-    from model.loader import load_model
+    from indexpool.model.loader import load_model
 
     loaded = load_model(tiny.path, torch.float32)
     assert isinstance(loaded.model, Glm5NextModel) and loaded.config.index_kpool == 4

@@ -27,7 +27,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(checkpoint):
-    from model.runtime import load_engine
+    from indexpool.model.runtime import load_engine
 
     torch.set_num_threads(1)
     return load_engine(str(checkpoint), "fp32")
@@ -35,7 +35,7 @@ def loaded(checkpoint):
 
 def greedy_text(loaded, ids: list[int], max_new_tokens: int) -> tuple[str, int]:
     """What the engine generates in-process for `ids` (greedy, stopping on the end tokens): text, new tokens."""
-    from model.generate import Sampler, SamplingParams, Session
+    from indexpool.model.generate import Sampler, SamplingParams, Session
 
     session = Session(loaded.model, len(ids) + max_new_tokens)
     tokens = list(session.generate(ids, Sampler(SamplingParams(temperature=0)), max_new_tokens,
@@ -172,7 +172,7 @@ def test_indexpool_attention_is_a_usage_error(checkpoint):
     proc = indexpool("complete", "--model", str(checkpoint), *GREEDY, "--attention", "indexpool", PROMPT)
     stderr = proc.stderr.decode()
     assert proc.returncode == 2 and proc.stdout == b"" and "Traceback" not in stderr
-    errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
+    errors = [line for line in stderr.splitlines() if line.startswith("indexpool: error: ")]  # the one-line form
     assert len(errors) == 1 and "own DSA indexer" in errors[0]
 
 

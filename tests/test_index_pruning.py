@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from model.index_pruning import KeyMoments, calibrate, projection_from_covariance
-from model.indexers import TrainingFreeIndexer
-from model.indexpool import PooledIndexCache
+from indexpool.model.index_pruning import KeyMoments, calibrate, projection_from_covariance
+from indexpool.model.indexers import TrainingFreeIndexer
+from indexpool.model.indexpool import PooledIndexCache
 from tests.test_indexpool_cache import CONFIG, tiny_model
 
 KV_DIM = CONFIG.n_kv_heads * CONFIG.head_dim

@@ -8,22 +8,24 @@ from dataclasses import replace
 import pytest
 import torch
 
-from model.generate import Sampler, SamplingParams, Session
-from model.indexers import TrainingFreeIndexer
-from model.indexpool_branches import IndexPoolBranches
-from model.indexpool_cache import AttentionEvidence, IndexPoolConfig
+from indexpool.model.generate import Sampler, SamplingParams, Session
+from indexpool.model.indexers import TrainingFreeIndexer
+from indexpool.model.indexpool_branches import IndexPoolBranches
+from indexpool.model.indexpool_cache import AttentionEvidence, IndexPoolConfig
 from tests.test_indexpool_cache import CONFIG, prompts_for, tiny_model
 
 # A window wide enough for branches of up to 20 tokens; past the 64-token context at a 120-token document.
 SETTINGS = dict(kpool=4, topk=8, window=24, sinks=4, segment=16, query_tokens=6, kv_storage="full")
 
 
-def sequential_logits(model, session, prompt, forced):
-    """Logits of reading `prompt` after the held document, then of each forced token, one sequence alone."""
+def sequential_logits(model, session, prompt, forced, evidence=None):
+    """Logits of reading `prompt` after the held document, then of each forced token, one sequence alone (where its
+    attention goes, into `evidence`)."""
     held = list(session.tokens)
-    logits = [session.prefill(prompt)]
-    for i, token in enumerate(forced):
-        logits.append(model(torch.tensor([[token]]), len(prompt) + i, session.cache)[:, -1])
+    logits = [session.prefill(prompt, evidence=evidence)]
+    with session.cache.reading(evidence=evidence):
+        for i, token in enumerate(forced):
+            logits.append(model(torch.tensor([[token]]), len(prompt) + i, session.cache)[:, -1])
     session.cache.truncate(len(held))
     session.tokens = held
     return torch.cat(logits)
@@ -77,9 +79,8 @@ def test_only_live_branches_are_fed_and_evidence_matches(head_dim, band):
 
     alone = []
     for s, f in zip(suffixes, forced):
-        session.cache.evidence = alone_evidence = evidence()
-        expected = sequential_logits(model, session, document + s, f if s != suffixes[1] else f[:1])
-        session.cache.evidence = None
+        alone_evidence = evidence()
+        expected = sequential_logits(model, session, document + s, f if s != suffixes[1] else f[:1], alone_evidence)
         alone.append((expected, alone_evidence))
 
     branches = IndexPoolBranches(session.cache, 3, capacity=10)
@@ -87,9 +88,7 @@ def test_only_live_branches_are_fed_and_evidence_matches(head_dim, band):
     got = [[] for _ in suffixes]
     with torch.inference_mode():
         for b, s in enumerate(suffixes):
-            session.cache.evidence = branches.evidence[b]
-            got[b].append(session.prefill(document + s))
-            session.cache.evidence = None
+            got[b].append(session.prefill(document + s, evidence=branches.evidence[b]))
             branches.take_branch(b)
             session.tokens = list(document)
         for step in range(3):
@@ -162,17 +161,19 @@ def test_read_shared_reads_new_tokens_with_one_selection_but_the_last():
     session.prefill(document, query_tail=False)
     more = [5, 9, 2, 6, 1]
     selections = []
-    session.cache.on_select = lambda layer, positions, far: selections.append((layer, len(positions), far.shape[0]))
-    session.read_shared(document + more)
+    def record(layer, positions, far):
+        selections.append((layer, len(positions), far.shape[0]))
+
+    session.read_shared(document + more, on_select=record)
     assert session.tokens == document + more[:-1]
     assert {(n, blocks) for layer, n, blocks in selections} == {(4, 1)}  # 4 queries, one selection per layer
     selections.clear()
-    session.prefill(document + more)  # the last token, on its own
+    session.prefill(document + more, on_select=record)  # the last token, on its own
     assert {(n, blocks) for layer, n, blocks in selections} == {(1, 1)}
     selections.clear()
     session.cache.truncate(len(document))
     session.tokens = list(document)
-    session.prefill(document + more)  # as a question's tokens are read: a selection per query
+    session.prefill(document + more, on_select=record)  # as a question's tokens are read: a selection per query
     assert {(n, blocks) for layer, n, blocks in selections} == {(5, 5)}
 
 
@@ -197,7 +198,7 @@ def test_branches_that_could_reach_their_own_tokens_are_refused():
 def test_pools_past_each_limit_are_hidden_in_place():
     """hide_pools_past on a non-contiguous (B, T, P) view (the lightning indexer's scores) and on (n, H, P) logits
     with one limit per leading row: the same as masking every pool at or past its row's limit."""
-    from model.indexers import hide_pools_past
+    from indexpool.model.indexers import hide_pools_past
 
     scores = torch.randn(2, 5, 3).transpose(1, 2)  # (B 2, T 3, P 5)
     limits = torch.tensor([[5, 0, 2], [3, 1, 4]])

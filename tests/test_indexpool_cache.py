@@ -12,13 +12,13 @@ import pytest
 from kernel_setting import use_kernels
 import torch
 
-from model.generate import Session
-from model.indexers import TrainingFreeIndexer
-from model.indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes, pool_keys
-from model.indexpool_cache import INDEX_DTYPES, IndexPoolCache, IndexPoolConfig, place_far_tokens
-from model.lightning_indexer import LightningIndexer, LightningIndexerConfig, ModelFingerprint
-from kernels.rope import apply_rope, rope_at
-from model.llama import LlamaConfig, Transformer, inverse_frequencies
+from indexpool.model.generate import Session
+from indexpool.model.indexers import TrainingFreeIndexer
+from indexpool.model.indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes, pool_keys
+from indexpool.model.indexpool_cache import INDEX_DTYPES, IndexPoolCache, IndexPoolConfig, place_far_tokens
+from indexpool.model.lightning_indexer import LightningIndexer, LightningIndexerConfig, ModelFingerprint
+from indexpool.kernels.rope import apply_rope, rope_at
+from indexpool.model.llama import LlamaConfig, Transformer, inverse_frequencies
 
 CONFIG = LlamaConfig(vocab_size=97, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
                      context_length=64, rope_theta=10000.0)
@@ -236,8 +236,7 @@ def test_shared_indexer_layers_reuse_the_full_layers_selection():
                                atol=2e-4, rtol=0)
     session = Session(model, 256, attention=IndexPoolConfig(**settings))
     seen = {}
-    session.cache.on_select = lambda layer, positions, far: seen.__setitem__(layer, far)
-    session.prefill(prompt[0])
+    session.prefill(prompt[0], on_select=lambda layer, positions, far: seen.__setitem__(layer, far))
     assert seen[1] is seen[0] and not torch.equal(seen[2], seen[0])
     # A shorter pattern repeats over the layers; the pooled index holds the full layers only.
     pattern = dict(settings, schedule=["full", "shared"])
@@ -263,12 +262,14 @@ def test_int8_history_stays_close():
     def run(kv_storage):
         """Each prompt's logits and the far selections of its forward."""
         session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS, kv_storage=kv_storage))
-        selections = []
-        session.cache.on_select = lambda layer, positions, far: selections[-1].append(far.clone())
-        logits = []
+        selections, logits = [], []
+
+        def record(layer, positions, far):
+            selections[-1].append(far.clone())
+
         for prompt in prompts:
             selections.append([])
-            logits.append(session.prefill(prompt))
+            logits.append(session.prefill(prompt, on_select=record))
         return logits, selections
 
     (exact, exact_selections), (quantized, quantized_selections) = run("full"), run("int8")
@@ -299,11 +300,14 @@ def test_an_fp32_models_bf16_history_stays_close(monkeypatch, backend):
     def run(kv_storage):
         session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS, kv_storage=kv_storage))
         selections, logits = [], []
-        session.cache.on_select = lambda layer, positions, far: selections[-1].append(far.clone())
+
+        def record(layer, positions, far):
+            selections[-1].append(far.clone())
+
         for prompt in prompts:
             for tokens in (prompt, prompt + [5], prompt + [5, 5]):  # a prompt, then one-token steps
                 selections.append([])
-                logits.append(session.prefill(tokens))
+                logits.append(session.prefill(tokens, on_select=record))
         return logits, selections, session.cache
 
     full, full_selections, full_cache = run("full")
@@ -340,15 +344,14 @@ def test_a_restored_state_continues_exactly_like_the_original(kv_storage, index_
 def test_evidence_points_at_what_the_queries_attend_to(head_dim):
     """AttentionEvidence sums attention probabilities: over a span covering every key a one-token forward
     attends to (itself included), each query row contributes exactly 1 per layer."""
-    from model.indexpool_cache import AttentionEvidence
+    from indexpool.model.indexpool_cache import AttentionEvidence
 
     model = tiny_model(7, replace(CONFIG, head_dim=head_dim))
     session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
     prompt = prompts_for(12, [120])[0]
     session.prefill(prompt[:-4], query_tail=False)
     evidence = AttentionEvidence(0, 120)
-    session.cache.evidence = evidence
-    with torch.no_grad():
+    with torch.no_grad(), session.cache.reading(evidence=evidence):
         for position in range(116, 120):  # 4 one-token forwards, n_heads query rows each, in every layer
             model(torch.tensor([[prompt[position]]]), position, session.cache)
     assert evidence.span_mass(0, 120) == pytest.approx(4 * CONFIG.n_heads * CONFIG.n_layers, rel=1e-3)
@@ -362,7 +365,7 @@ def test_evidence_does_not_change_what_the_queries_compute(head_dim):
     """With evidence on, the far part also gives each row's probabilities (the C kernel's where it runs, head
     size 32; else from the logits the torch path computes): the forwards give the same logits as without it, for
     a short forward selecting per block of queries (with a padded last block) and for one-token steps."""
-    from model.indexpool_cache import AttentionEvidence
+    from indexpool.model.indexpool_cache import AttentionEvidence
 
     model = tiny_model(9, replace(CONFIG, head_dim=head_dim))
     prompt = prompts_for(14, [140])[0]
@@ -370,8 +373,7 @@ def test_evidence_does_not_change_what_the_queries_compute(head_dim):
     for with_evidence in (False, True):
         session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
         session.prefill(prompt[:125], query_tail=False)
-        session.cache.evidence = AttentionEvidence(0, 140) if with_evidence else None
-        with torch.no_grad():
+        with torch.no_grad(), session.cache.reading(evidence=AttentionEvidence(0, 140) if with_evidence else None):
             steps = [model(torch.tensor([prompt[125:130]]), 125, session.cache)]  # 5 queries, blocks of 2
             steps += [model(torch.tensor([[prompt[p]]]), p, session.cache) for p in range(130, 140)]
         assert session.cache.n_far > SETTINGS["topk"]  # far tokens were selected, not taken whole
@@ -384,7 +386,7 @@ def test_evidence_does_not_change_what_the_queries_compute(head_dim):
 def test_evidence_leaves_out_the_local_band_before_the_query(band, head_dim):
     """With a local band, a query's evidence is its evidence without one, less the keys in the band before it
     (which are not computed at all: the band may cover the whole window)."""
-    from model.indexpool_cache import AttentionEvidence
+    from indexpool.model.indexpool_cache import AttentionEvidence
 
     model = tiny_model(8, replace(CONFIG, head_dim=head_dim))
     prompt = prompts_for(13, [120])[0]
@@ -393,8 +395,7 @@ def test_evidence_leaves_out_the_local_band_before_the_query(band, head_dim):
         session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
         session.prefill(prompt[:-1], query_tail=False)
         found.append(AttentionEvidence(0, 120, local_band))
-        session.cache.evidence = found[-1]
-        with torch.no_grad():
+        with torch.no_grad(), session.cache.reading(evidence=found[-1]):
             model(torch.tensor([[prompt[119]]]), 119, session.cache)
     expected = found[0].mass.clone()
     expected[119 - band + 1 :] = 0
@@ -406,8 +407,8 @@ def test_evidence_is_the_same_through_the_c_kernel_and_the_torch_path(monkeypatc
     """The far part's probabilities from the C decode kernel (gathered, rotated keys) give the evidence the torch
     path's logits give, for a question read per query block (padded last block), for 10 tokens sharing one
     selection (20 query rows per KV head: the kernel takes them in chunks) and for one-token steps; fp32."""
-    from kernels.cpu_attention import native_library
-    from model.indexpool_cache import AttentionEvidence
+    from indexpool.kernels.cpu_attention import native_library
+    from indexpool.model.indexpool_cache import AttentionEvidence
 
     if native_library()[0] is None:
         pytest.skip(f"the C kernel is not available here: {native_library()[1]}")
@@ -418,14 +419,15 @@ def test_evidence_is_the_same_through_the_c_kernel_and_the_torch_path(monkeypatc
         use_kernels(monkeypatch, backend)
         session = Session(model, 256, attention=IndexPoolConfig(**dict(SETTINGS, query_tokens=12), kv_storage="full"))
         session.prefill(prompt[:115], query_tail=False)
-        found[backend] = session.cache.evidence = AttentionEvidence(4, 140, local_band=3)
+        found[backend] = AttentionEvidence(4, 140, local_band=3)
         with torch.no_grad():
-            model(torch.tensor([prompt[115:120]]), 115, session.cache)
-            session.cache.shared_selection = True
-            model(torch.tensor([prompt[120:130]]), 120, session.cache)
-            session.cache.shared_selection = False
-            for position in range(130, 134):
-                model(torch.tensor([[prompt[position]]]), position, session.cache)
+            with session.cache.reading(evidence=found[backend]):
+                model(torch.tensor([prompt[115:120]]), 115, session.cache)
+            with session.cache.reading(evidence=found[backend], shared_selection=True):
+                model(torch.tensor([prompt[120:130]]), 120, session.cache)
+            with session.cache.reading(evidence=found[backend]):
+                for position in range(130, 134):
+                    model(torch.tensor([[prompt[position]]]), position, session.cache)
         assert session.cache.n_far > SETTINGS["topk"]  # far tokens were selected, not taken whole
     assert found["auto"].mass[:100].sum() > 0  # far tokens drew some of it
     torch.testing.assert_close(found["auto"].mass, found["torch"].mass, atol=1e-6, rtol=1e-5)
@@ -506,7 +508,7 @@ def test_pooled_index_truncates_only_at_pool_boundaries():
 def test_evidence_beyond_a_baseline_cancels_what_every_query_draws():
     """A token that draws attention whatever is asked (a sink-like " the") outweighs the token a question is about
     in the plain mass, not beyond a neutral question's mass scaled to the same number of queries."""
-    from model.indexpool_cache import AttentionEvidence
+    from indexpool.model.indexpool_cache import AttentionEvidence
 
     baseline, asked = AttentionEvidence(10, 20), AttentionEvidence(10, 20)
     baseline.add(torch.tensor([12, 15]), torch.tensor([30.0, 2.0]))
@@ -527,7 +529,7 @@ def test_fp32_queries_score_bf16_pools_as_stored(T, monkeypatch):
     each: a decode step's) go to the C kernel with the keys as stored, more (T = 5: 20 rows) widen the keys once.
     Either way the scores are those against the widened keys up to fp32 summation order, pools past each query's
     limit -inf."""
-    from kernels import cpu_linear
+    from indexpool.kernels import cpu_linear
 
     if not cpu_linear.kernel_runs():
         pytest.skip(f"the C linear kernels do not run here: {cpu_linear.linear_path()}")
@@ -553,7 +555,7 @@ def test_an_fp32_models_decode_steps_score_the_stored_pools(monkeypatch):
     """Read past the context (150 tokens), an fp32 model's decode steps score the bf16 pooled index through the C
     kernel (`scored_pools` hands it over unwidened); the logits are those of widening it first, up to fp32
     summation order."""
-    from kernels import cpu_linear
+    from indexpool.kernels import cpu_linear
 
     if not cpu_linear.kernel_runs():
         pytest.skip(f"the C linear kernels do not run here: {cpu_linear.linear_path()}")

@@ -4,18 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.indexpool import (
-    FP8_DTYPE,
-    PooledIndexCache,
-    fp8_dequantize,
-    fp8_quantize,
-    indexer_source_layers,
-    layer_schedule,
-    per_token_index_bytes,
-    pool_keys,
-    score_pools,
-    select_tokens,
-)
+from indexpool.kernels.index_math import FP8_DTYPE, fp8_dequantize, fp8_quantize, pool_keys, score_pools, select_tokens
+from indexpool.model.indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes
 
 HIDDEN, Q_LORA, N_HEADS, HEAD_DIM = 32, 16, 8, 16
 

@@ -10,7 +10,7 @@ import pytest
 
 from doc_fixtures import (chatgpt_export, encrypted_pdf_bytes, git_ignored, make_repository, numbered_source,
                           pdf_bytes, write_epub, write_json)
-from indexpool_cli.ingest import Document, IngestError, IngestOptions, Part, load_document
+from indexpool.ingest import Document, IngestError, IngestOptions, Part, load_document
 
 BOOK_PAGES = [["Alpha   beta  gamma", "hyphen-", "ated word  "], None, ["Page (three)"], ["Last page"]]
 

@@ -13,8 +13,8 @@ import pytest
 from kernel_setting import use_kernels
 import torch
 
-from kernels.kda import kda_chunked, kda_chunked_reference, kda_recurrent, kda_recurrent_reference
-from model.glm5_next_loader import load_glm5_next
+from indexpool.kernels.kda import kda_chunked, kda_chunked_reference, kda_recurrent, kda_recurrent_reference
+from indexpool.model.glm5_next_loader import load_glm5_next
 from tests.tiny_glm5_next import VOCAB, build_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:Triton is not supported on current platform")  # fla on the CPU

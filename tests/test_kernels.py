@@ -23,11 +23,11 @@ if DEVICE == "cpu":
                     "tests/test_kernels.py on its own", allow_module_level=True)
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels import (  # noqa: E402
+from indexpool.kernels import (  # noqa: E402
     far_rope_tables, index_scores, index_scores_reference, index_topk, index_topk_reference, kernel_backend,
     pool_compress, pool_compress_reference, sparse_attention, sparse_attention_reference)
-from kernels.index_math import FP8_DTYPE, fp8_quantize  # noqa: E402
-from kernels.rope import rope_at  # noqa: E402
+from indexpool.kernels.index_math import FP8_DTYPE, fp8_quantize  # noqa: E402
+from indexpool.kernels.rope import rope_at  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -23,14 +23,14 @@ if DEVICE == "cpu":
                     "tests/test_kernels_engine.py on its own", allow_module_level=True)
     os.environ["TRITON_INTERPRET"] = "1"
 
-import kernels  # noqa: E402
-from kernels import kernel_backend  # noqa: E402
-from model.generate import Session  # noqa: E402
-from model.runtime import load_engine  # noqa: E402
-from kernels.index_math import FP8_DTYPE, fp8_dequantize, fp8_quantize  # noqa: E402
-from model.indexpool import PooledIndexCache  # noqa: E402
-from model.indexpool_cache import AttentionEvidence, IndexPoolConfig  # noqa: E402
-from model.lightning_indexer import LightningIndexer, LightningIndexerConfig, ModelFingerprint  # noqa: E402
+from indexpool import kernels  # noqa: E402
+from indexpool.kernels import kernel_backend  # noqa: E402
+from indexpool.model.generate import Session  # noqa: E402
+from indexpool.model.runtime import load_engine  # noqa: E402
+from indexpool.kernels.index_math import FP8_DTYPE, fp8_dequantize, fp8_quantize  # noqa: E402
+from indexpool.model.indexpool import PooledIndexCache  # noqa: E402
+from indexpool.model.indexpool_cache import AttentionEvidence, IndexPoolConfig  # noqa: E402
+from indexpool.model.lightning_indexer import LightningIndexer, LightningIndexerConfig, ModelFingerprint  # noqa: E402
 from test_indexpool_cache import CONFIG, SETTINGS, prompts_for, run_session, tiny_model  # noqa: E402
 
 BACKENDS = ("torch", "triton")
@@ -39,16 +39,16 @@ BACKENDS = ("torch", "triton")
 def session_logits(monkeypatch, backend: str, model, prompt, **options) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """run_session's logits on one backend, and every layer's far selection in the order they were made."""
     selections = []
-    session_init = Session.__init__
+    session_prefill = Session.prefill
 
-    def recording_init(self, *args, **kwargs):
-        session_init(self, *args, **kwargs)
+    def recording_prefill(self, *args, **kwargs):
         assert self.cache.backend == backend
-        self.cache.on_select = lambda layer, positions, far: selections.append(far.clone())
+        return session_prefill(self, *args, on_select=lambda layer, positions, far: selections.append(far.clone()),
+                               **kwargs)
 
     with monkeypatch.context() as patch:
         use_kernels(patch, backend)
-        patch.setattr(Session, "__init__", recording_init)
+        patch.setattr(Session, "prefill", recording_prefill)
         logits = run_session(model, SETTINGS, [prompt], new_tokens=4, **options)
     return logits, selections
 
@@ -86,8 +86,8 @@ def test_evidence_forwards_fall_back_to_the_torch_path(monkeypatch):
         use_kernels(monkeypatch, backend)
         session = Session(model, 64, attention=IndexPoolConfig(**SETTINGS, kv_storage="full"))  # fp32 on both
         session.prefill(prompt[:-3], query_tail=False)  # the Triton path, on the triton backend
-        evidence[backend] = session.cache.evidence = AttentionEvidence(0, 52)
-        with torch.no_grad():
+        evidence[backend] = AttentionEvidence(0, 52)
+        with torch.no_grad(), session.cache.reading(evidence=evidence[backend]):
             logits[backend] = torch.cat([model(torch.tensor([[token]], device=DEVICE), position, session.cache)
                                          for position, token in enumerate(prompt[-3:], start=49)])
     per_forward = CONFIG.n_heads * CONFIG.n_layers  # each query row's probabilities sum to 1

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from model.indexer_training import (
+from indexpool.model.indexer_training import (
     DenseCapture,
     DistillConfig,
     SparsePattern,
@@ -20,15 +20,15 @@ from model.indexer_training import (
     pool_targets,
     token_windows,
 )
-from kernels.index_math import fp8_dequantize, fp8_quantize, pool_keys, score_pools
-from model.lightning_indexer import (
+from indexpool.kernels.index_math import fp8_dequantize, fp8_quantize, pool_keys, score_pools
+from indexpool.model.lightning_indexer import (
     LightningIndexer,
     LightningIndexerConfig,
     ModelFingerprint,
     default_indexer_location,
     default_indexer_path,
 )
-from model.llama import LlamaConfig, Transformer, rope_tables
+from indexpool.model.llama import LlamaConfig, Transformer, rope_tables
 
 TINY = LlamaConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48,
                    context_length=256)
@@ -143,9 +143,9 @@ def test_default_paths():
 
 
 def test_the_shipped_indexer_fits_the_default_model():
-    from model.default_model import default_model_path
-    from model.gguf_file import read_gguf
-    from model.loader import gguf_config
+    from indexpool.model.default_model import default_model_path
+    from indexpool.model.gguf_file import read_gguf
+    from indexpool.model.loader import gguf_config
 
     path = default_model_path()
     gguf = read_gguf(path)
@@ -163,11 +163,11 @@ def test_auto_reads_segments_with_the_shipped_indexer_where_it_fits_the_model():
     training-free alone for any other; --indexer hybrid without a shipped indexer is an input error."""
     from types import SimpleNamespace
 
-    from indexpool_cli.attention import AttentionChoice, segment_indexer
-    from indexpool_cli.console import InputError
-    from model.default_model import default_model_path
-    from model.gguf_file import read_gguf
-    from model.loader import gguf_config
+    from indexpool.model.sessions import SessionOptions, segment_indexer
+    from indexpool.console import InputError
+    from indexpool.model.default_model import default_model_path
+    from indexpool.model.gguf_file import read_gguf
+    from indexpool.model.loader import gguf_config
 
     path = default_model_path()
     gguf = read_gguf(path)
@@ -177,16 +177,16 @@ def test_auto_reads_segments_with_the_shipped_indexer_where_it_fits_the_model():
         return SimpleNamespace(name=name, file_bytes=file_bytes, config=gguf_config(gguf), model=weights)
 
     default = model_file(str(gguf.metadata["general.name"]), path.stat().st_size)
-    assert isinstance(segment_indexer(AttentionChoice(), default), LightningIndexer)
-    assert isinstance(segment_indexer(AttentionChoice(indexer="hybrid"), default), LightningIndexer)
-    assert segment_indexer(AttentionChoice(indexer="training-free"), default) is None
-    assert segment_indexer(AttentionChoice(indexer="trained"), default) is None  # it chooses for every forward
+    assert isinstance(segment_indexer(SessionOptions(), default), LightningIndexer)
+    assert isinstance(segment_indexer(SessionOptions(indexer="hybrid"), default), LightningIndexer)
+    assert segment_indexer(SessionOptions(indexer="training-free"), default) is None
+    assert segment_indexer(SessionOptions(indexer="trained"), default) is None  # it chooses for every forward
     other_quantization = model_file(default.name, default.file_bytes + 1)
     unknown = model_file("some other model", 1)
     for loaded in (other_quantization, unknown):
-        assert segment_indexer(AttentionChoice(), loaded) is None
+        assert segment_indexer(SessionOptions(), loaded) is None
         with pytest.raises(InputError):
-            segment_indexer(AttentionChoice(indexer="hybrid"), loaded)
+            segment_indexer(SessionOptions(indexer="hybrid"), loaded)
 
 
 def test_sparse_pattern_candidates():
@@ -292,7 +292,7 @@ def distill_app():
     """The `distill` command in an app of its own (registering it in the `indexpool` app is app.py's business)."""
     import typer
 
-    from indexpool_cli.distill import distill as distill_command
+    from indexpool.distill import distill as distill_command
 
     app = typer.Typer()
     app.command()(distill_command)
@@ -302,7 +302,7 @@ def distill_app():
 def test_command_usage_and_input_errors(distill_app, tmp_path):
     from typer.testing import CliRunner
 
-    from indexpool_cli.console import InputError
+    from indexpool.console import InputError
 
     runner = CliRunner()
     result = runner.invoke(distill_app, ["--storage", "fp16"])

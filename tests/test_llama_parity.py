@@ -8,7 +8,7 @@ import pydoc_data.topics
 import pytest
 import torch
 
-from model.generate import Sampler, SamplingParams, Session
+from indexpool.model.generate import Sampler, SamplingParams, Session
 
 MAX_LOGIT_DIFF = 1e-3
 NEW_TOKENS = 64
@@ -16,7 +16,7 @@ NEW_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def ours():
-    from model.runtime import load_engine
+    from indexpool.model.runtime import load_engine
 
     return load_engine(None, "fp32", decode_weights="off")  # fp32 weights throughout: parity, not quantization
 
@@ -25,7 +25,7 @@ def ours():
 def reference():
     from transformers import AutoModelForCausalLM
 
-    from model.default_model import default_model_path
+    from indexpool.model.default_model import default_model_path
 
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from model.errors import ModelLoadError
-from model.loader import load_model
+from indexpool.model.errors import ModelLoadError
+from indexpool.model.loader import load_model
 from tests.tiny_models import dequantized_copy, make_hf_model, save_hf_dir, write_gguf
 
 VOCAB = 49152  # the default model's tokenizer is reused, so the tiny models share its vocabulary
@@ -88,7 +88,7 @@ def test_k_quant_tensors_read_in_row_major_order(tmp_path, qtype):
     import gguf
     import numpy as np
 
-    from model.gguf_file import read_gguf
+    from indexpool.model.gguf_file import read_gguf
 
     kind = gguf.GGMLQuantizationType[qtype]
     block, type_size = gguf.GGML_QUANT_SIZES[kind]
@@ -117,7 +117,7 @@ def test_missing_file(tmp_path):
 
 
 def test_truncated_gguf(tmp_path):
-    from model.default_model import default_model_path
+    from indexpool.model.default_model import default_model_path
 
     data = default_model_path().read_bytes()
     for cut in (100, 2_000_000, len(data) - 1000):
@@ -155,7 +155,7 @@ def test_directory_without_config(tmp_path):
 def test_prepared_weights_cache_gives_the_same_model(tmp_path, monkeypatch):
     """The second load reads the prepared weights (dequantized + decode copies) back: every parameter and buffer
     equal, so the same logits, prefill (bf16 weights) and decode (int4/int8 copies) alike."""
-    from model.runtime import load_engine
+    from indexpool.model.runtime import load_engine
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     built = load_engine(None)

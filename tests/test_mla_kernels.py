@@ -14,9 +14,9 @@ import pytest
 from kernel_setting import use_kernels
 import torch
 
-import kernels
-from kernels import mla_sparse_attention, mla_sparse_attention_reference
-from model.glm5_next_loader import load_glm5_next
+from indexpool import kernels
+from indexpool.kernels import mla_sparse_attention, mla_sparse_attention_reference
+from indexpool.model.glm5_next_loader import load_glm5_next
 from test_glm5_next import N_TOKENS, logits, max_diff
 from tests.tiny_glm5_next import VOCAB, build_checkpoint
 

@@ -3,10 +3,10 @@ sentence each item shows, titles of merged sections, and documents with no struc
 
 from __future__ import annotations
 
-from indexpool_cli.ingest import Document, Part
-from indexpool_cli.ingest.code import code_parts
-from indexpool_cli.ingest.text import html_to_text, text_parts
-from indexpool_cli.outline import common_ends, group_title, outline, outline_text
+from indexpool.ingest import Document, Part
+from indexpool.ingest.code import code_parts
+from indexpool.ingest.text import html_to_text, text_parts
+from indexpool.outline import common_ends, group_title, outline, outline_text
 
 
 def text_document(text: str, name: str = "doc.txt") -> Document:

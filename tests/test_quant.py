@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from model.quant import DecodeQuantLinear, quantize_for_decode
+from indexpool.model.quant import DecodeQuantLinear, quantize_for_decode
 
 
 def linear_with(weight: torch.Tensor, bias: bool = False) -> nn.Linear:

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from indexpool_cli.console import InputError
-from indexpool_cli.ingest import Document, Part, load_document
-from indexpool_cli.jobs import DOCUMENT_MARK, JobResult, ask_request, plain_request, request_messages, summary_request
-from indexpool_cli.remote import (ContextTooLong, OpenAIClient, RemoteChoice, RemoteError, ResultCache,
+from indexpool.console import InputError
+from indexpool.ingest import Document, Part, load_document
+from indexpool.jobs import DOCUMENT_MARK, JobResult, ask_request, plain_request, request_messages, summary_request
+from indexpool.remote import (ContextTooLong, OpenAIClient, RemoteChoice, RemoteError, ResultCache,
                                   ServerAddress, matched_sources, run_remote_job, sampling_fields)
 from doc_fixtures import write_planted_report
 from test_cli import assert_error, cli_env, indexpool, ok
@@ -51,7 +51,7 @@ class LlamaServer:
     """llama-cpp-python's OpenAI-compatible server on the default model, on a free loopback port."""
 
     def __init__(self, log_dir: Path, n_ctx: int, api_key: str = API_KEY):
-        from model.default_model import default_model_path
+        from indexpool.model.default_model import default_model_path
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"

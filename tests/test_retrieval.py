@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from indexpool_cli.ingest import Document, Part
-from indexpool_cli.jobs import (QUOTE_PASSAGES, DocumentTokens, ask_request, document_prompt, passage_quote,
+from indexpool.ingest import Document, Part
+from indexpool.jobs import (QUOTE_PASSAGES, DocumentTokens, ask_request, document_prompt, passage_quote,
                                 rank_sources, request_messages, with_quote)
-from indexpool_cli.retrieval import BM25, LexicalIndex, navigational, terms
-from model.indexpool_cache import AttentionEvidence
+from indexpool.retrieval import BM25, LexicalIndex, navigational, terms
+from indexpool.model.indexpool_cache import AttentionEvidence
 
 
 def test_terms_split_identifiers_and_drop_stop_words():

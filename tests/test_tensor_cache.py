@@ -4,7 +4,7 @@ its checksum before the file is used."""
 import pytest
 import torch
 
-from model.tensor_cache import CHECKSUM_CHUNK_WORDS, TensorCache, file_checksum
+from indexpool.model.tensor_cache import CHECKSUM_CHUNK_WORDS, TensorCache, file_checksum
 
 CHUNK_BYTES = CHECKSUM_CHUNK_WORDS * 8
 

@@ -11,8 +11,8 @@ from mixed_corpus import MISSING_BYTE_CHARS, MISSING_BYTE_PLANES, build_mixed_co
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-from model.errors import ModelLoadError
-from model.tokenizer import LLAMA3_PATTERN, QWEN2_PATTERN, Tokenizer
+from indexpool.model.errors import ModelLoadError
+from indexpool.model.tokenizer import LLAMA3_PATTERN, QWEN2_PATTERN, Tokenizer
 
 MISSING_BYTE_FINDER = re.compile(f"[{MISSING_BYTE_CHARS}{chr(MISSING_BYTE_PLANES[0])}-{chr(MISSING_BYTE_PLANES[1])}]")
 

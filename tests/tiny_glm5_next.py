@@ -229,7 +229,7 @@ def write_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
     import pydoc_data.topics
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from model.tokenizer import LLAMA3_PATTERN
+    from indexpool.model.tokenizer import LLAMA3_PATTERN
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
