@@ -158,7 +158,7 @@ def headings(lines: list[Line], document: Document) -> list[Heading]:
             found.append(Heading(i, (MARKDOWN, len(markdown.group(1))), clean_title(markdown.group(2))))
             continue
         numbered = _NUMBERED.match(line.text.rstrip())  # at the line's start: an indented one is a list's
-        after = next((line.text for line in lines[i + 1 : i + 3] if line.text.strip()), "")
+        after = next((later.text for later in lines[i + 1 : i + 3] if later.text.strip()), "")
         listed = text[len(numbered.group(1)) : len(numbered.group(1)) + 1] == "." if numbered else False
         continued = after[:1].isspace() or after.strip()[:1].islower()  # "1. The x is\n   continued"
         if numbered and is_title(numbered.group(2)) and not (listed and continued):
