@@ -10,18 +10,20 @@ Sections come from the document's own structure, the highest level of it that ha
    writes `<h1>`-`<h6>` so),
 3. numbered headings (`2 Library Functions`, `2.3 Locale Functions`) whose numbers run in sequence (a table of
    contents' lines, in a navigational part, never count),
-4. underlined headings (reStructuredText, setext), ranked by the order their underline characters first appear,
-5. log entries (a Debian changelog's `package (version) ...; urgency=`, `commit <hash>`, an mbox `From ` line;
-   a chat log's messages),
-6. in code, top-level definitions (`class`, `def`, `function`, ...).
-A document with none of these is cut into equal runs of its parts. When there are more sections than the outline
+4. the entries of a table of contents (a navigational part in the document's first third: titles followed by
+   page numbers), each found as a line of its own after it, in the contents' order (unnumbered chapters),
+5. underlined headings (reStructuredText, setext), ranked by the order their underline characters first appear,
+6. log entries (a Debian changelog's `package (version) ...; urgency=`, `commit <hash>`, an mbox `From ` line),
+7. in code, top-level definitions (`class`, `def`, `function`, ...).
+A document with none of these (a chat log among them) is cut into equal runs of its parts. When there are more sections than the outline
 has items, consecutive sections share an item. Text before the first section (a title page, a table of contents,
 a site's navigation; at most a third of the document, or that level of headings is not its structure) is left out.
 
 Each item's sentence is the one whose terms are most particular to its section (term frequency in the section
 times the inverse frequency across sections, over the square root of the sentence's term count), the first
-sentences of a section weighted up (a section usually says what it is about first) and those opening with a word
-that points back ("It", "Thus") weighted down. A code item gives its best
+sentences of a section weighted up (a section usually says what it is about first), those opening with a word
+that points back ("It", "Thus") weighted down, and a sentence the document repeats (boilerplate) divided by the
+times it does. A code item gives its best
 comment or docstring sentence and its top-level definitions.
 """
 
@@ -59,6 +61,7 @@ _MARKER = re.compile(r"^(?:=== (?P<file>.+) ===|\[Chapter \d+: (?P<chapter>.+)\]
 _READER_MARKER = re.compile(r"^\[[^\]\n]{1,200}\]$")  # a page's or a text's first line: "[Page 3]", "[a.txt lines 1-40]"
 _CODE_LINE = re.compile(r"^\s*\d+\|[ ]?")
 _MARKDOWN = re.compile(r"^(#{1,6})\s+(\S.*?)\s*#*$")
+_CONTENTS_ENTRY = re.compile(r"^(?P<title>.*?\S)(?:\s*(?:\.\s*){2,}|\s+)(?:[0-9]{1,4}|[ivxlc]{1,6})$", re.IGNORECASE)
 _FENCE = re.compile(r"^\s{0,3}(?:```|~~~)")
 _NUMBERED = re.compile(r"^(\d{1,2}(?:\.\d{1,2})*)\.?\s+([A-Z][^\n]{1,70})$")
 _UNDERLINE = re.compile(r"^([=\-~*^+#])\1{2,}$")
@@ -76,7 +79,7 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])[\"'”’)]?\s+(?=[A-Z0-9\"'“(\[])")
 _PERMALINK = re.compile(r"\s*[#¶§]+$")
 
 # A heading's rank: (kind, level), smaller above. Kinds in the order of the module docstring.
-MARKER, MARKDOWN, NUMBERED, UNDERLINED, LOG_ENTRY, DEFINITION = range(6)
+MARKER, MARKDOWN, NUMBERED, CONTENTS, UNDERLINED, LOG_ENTRY, DEFINITION = range(7)
 
 
 @dataclass
@@ -178,7 +181,39 @@ def headings(lines: list[Line], document: Document) -> list[Heading]:
         entry = _LOG_ENTRY.match(line.text)
         if entry:
             found.append(Heading(i, (LOG_ENTRY, 0), entry.group("deb") or entry.group("git") or text[:60]))
+    return sorted(found + contents_headings(lines, document), key=lambda h: h.line)
+
+
+def contents_headings(lines: list[Line], document: Document) -> list[Heading]:
+    """The entries of the document's table of contents (see the module docstring), each at the first line after
+    the contents (and after the entry before it) whose text is the entry's title: running headers that repeat a
+    title later are not taken."""
+    early = len(document.parts) // 3 + 1
+    contents = [i for i, part in enumerate(document.parts[:early]) if navigational(part.text)]
+    if not contents:
+        return []
+    titles = []
+    for i in contents:
+        for text in document.parts[i].text.splitlines():
+            entry = _CONTENTS_ENTRY.match(text.strip())
+            if entry and is_title(entry.group("title")):
+                titles.append(clean_title(entry.group("title")))
+    where: dict[str, list[int]] = {}  # a short line's text, as titles are compared, -> its line numbers
+    for i, line in enumerate(lines):
+        if line.part > contents[-1] and len(line.text) <= 100:
+            where.setdefault(title_key(line.text), []).append(i)
+    found, after = [], -1
+    for title in titles:
+        at = where.get(title_key(title), [])
+        k = bisect_left(at, after + 1)
+        if k < len(at):
+            after = at[k]
+            found.append(Heading(after, (CONTENTS, 0), title))
     return found
+
+
+def title_key(text: str) -> str:
+    return " ".join(text.lower().split()).rstrip(".:")
 
 
 def is_title(text: str) -> bool:
@@ -384,14 +419,19 @@ def outline(document: Document, length: str = "medium", focus: str | None = None
     found = headings(lines, document)
     sections = merge(top_sections(lines, found, document, count), count)
     weights = term_weights(sections, lines)
-    heading_lines = {h.line for h in found}
+    titles = {title_key(h.title) for h in found}
+    # Headings, and lines repeating a heading's title (a PDF's running headers), are not sentences.
+    heading_lines = {h.line for h in found} | {i for i, line in enumerate(lines) if title_key(line.text) in titles}
     wanted = set(terms(focus)) if focus else set()
+    runs = [lines[section.first_line : section.last_line] for section in sections]
+    codes = [sum(line.code for line in run) > len(run) / 2 for run in runs]
+    candidates = [code_sentences(run) if code else sentences(run, {i - s.first_line for i in heading_lines})
+                  for run, code, s in zip(runs, codes, sections)]
+    repeats = Counter(s.text for found_here in candidates for s in found_here)  # boilerplate says the same everywhere
     items = []
-    for section, weight in zip(sections, weights):
-        run = lines[section.first_line : section.last_line]
-        code = sum(line.code for line in run) > len(run) / 2
-        candidates = code_sentences(run) if code else sentences(run, {i - section.first_line for i in heading_lines})
-        best = sorted(candidates, key=lambda s: sentence_score(s, weight, wanted), reverse=True)[:per_item]
+    for section, weight, run, code, found_here in zip(sections, weights, runs, codes, candidates):
+        best = sorted(found_here, key=lambda s: sentence_score(s, weight, wanted) / repeats[s.text],
+                      reverse=True)[:per_item]
         best.sort(key=lambda s: s.position)
         text = " ".join(s.text if s.text[-1] in ".!?:;" else f"{s.text}." for s in best)
         if code and (names := [n for n in definitions(run) if n not in section.titles]):

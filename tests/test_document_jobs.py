@@ -103,20 +103,22 @@ def test_several_questions_read_the_document_once(report, tmp_path):
     assert results[1]["timings"]["read_seconds"] < results[0]["timings"]["read_seconds"]
 
 
-def test_questions_answered_as_one_batch_match_one_by_one(report):
+def test_questions_answered_as_one_batch_match_one_by_one(report, tmp_path):
     """Several questions decode as branches of the held document; each answer and its sources are those the
     question gets asked alone. In fp32: in bf16 the batch's kernels round differently from one question's (other
     matmul shapes, bf16 weights for more than four rows), which can flip a near-tied greedy choice. The file is
     named from its own folder: the prompt holds its name, and pytest's numbered temporary folders would make the
     prompt differ from run to run (two sources' shares can be that close). The shares (given to 4 decimals) agree to
     1.5e-4: an answer cut at -n counts the same queries both ways (when the forward of its last token counted too
-    alone, they differed by up to 0.0022)."""
+    alone, they differed by up to 0.0022). The batch reads the document; the questions alone restore it from the
+    document cache (the state it saved)."""
     questions = [QUESTION, "What is the glass tower?", "What does the pass statement do?"]
-    args = ("--json", "--quiet", "--no-cache", "-n", "16", "--dtype", "fp32", "--answer", "generate")
+    args = ("--json", "--quiet", "--cache-dir", str(tmp_path), "-n", "16", "--dtype", "fp32", "--answer", "generate")
     folder, name = report.parent, report.name
     out = ok(indexpool("ask", name, questions[0], "-Q", questions[1], "-Q", questions[2], *args, cwd=folder))
     batched = [json.loads(line) for line in out.splitlines()]
     alone = [json.loads(ok(indexpool("ask", name, q, *args, cwd=folder))) for q in questions]
+    assert all(r["cached"] for r in alone)
     assert [r["text"] for r in batched] == [r["text"] for r in alone]
     assert [[s["cite"] for s in r["sources"]] for r in batched] == [[s["cite"] for s in r["sources"]] for r in alone]
     assert "41729" in batched[0]["text"]

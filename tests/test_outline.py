@@ -44,6 +44,24 @@ def test_numbered_headings_of_a_pdf_manual_skip_its_table_of_contents():
     assert outline(document, "short")[1].title == "2 Installing"  # short: no subheadings
 
 
+def test_unnumbered_chapters_are_found_from_the_table_of_contents():
+    """A manual whose chapters have no numbers: its contents page names them, each is found where it starts (in
+    the contents' order), and a running header repeating a title later is not taken for its start."""
+    toc = "Contents\n" + "\n".join(f"{title} . . . . . . . {page}" for title, page in
+                                    [("Getting Started", 2), ("Configuring Routes", 3), ("Troubleshooting", 4),
+                                     ("Glossary", 5), ("Acknowledgements", 5), ("Index", 6)])
+    pages = [
+        toc,
+        "Getting Started\nOrrery draws planetary routes for small observatories and their visitors.\n" + FILLER,
+        "Getting Started\n" + FILLER + "\nConfiguring Routes\nA route file lists the bodies a tour visits in order.",
+        "Troubleshooting\nA missing ephemeris file stops the tour with a clear message.\n" + FILLER,
+        "Glossary\nAn ephemeris gives the positions of the bodies at given times.\n" + FILLER,
+    ]
+    items = outline(pdf_document([pages[0]] + [page + f"\n{FILLER}" * 4 for page in pages[1:]]))
+    assert [item.title for item in items] == ["Getting Started", "Configuring Routes", "Troubleshooting", "Glossary"]
+    assert items[0].part == 1 and "planetary routes" in items[0].text and "route file" in items[1].text
+
+
 def test_a_numbered_list_item_is_not_a_heading_and_numbers_must_run_in_sequence():
     text = ("1 Basics\nKestrel is a scheduler for batch jobs on small clusters of machines.\n\n"
             "1. The job file is read\nand checked before anything runs on the cluster.\n\n"
