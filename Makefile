@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# A codebase every Python has, for the document jobs of the demo: the standard library's json package.
+JSON_PACKAGE = $(shell $(BIN)/python -c 'import json, os; print(os.path.dirname(json.__file__))')
 # Set-up stamps: the package and the default model (what `make demo` needs), then the test extras.
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
@@ -35,6 +37,10 @@ demo: setup
 	$(BIN)/indexpool complete --seed 0 --max-new-tokens 80 "The three most useful things to know about the Python standard library are"
 	@echo
 	printf 'What is a k-pool sparse attention indexer, in one sentence?\n' | $(BIN)/indexpool chat --seed 0 --max-new-tokens 80
+	@echo
+	$(BIN)/indexpool summarize "$(JSON_PACKAGE)"
+	@echo
+	$(BIN)/indexpool ask "$(JSON_PACKAGE)/decoder.py" "what attributes does JSONDecodeError have?"
 
 test: setup-test
 	$(BIN)/python -m pytest -q

@@ -3,7 +3,7 @@ context decoded as one dense batch) against one `indexpool summarize` per input,
 
 Writes `--inputs` text files of about `--tokens` tokens each (Python's own documentation, `pydoc_data.topics`, a
 different stretch per file), runs the installed command on all of them at once and then on each alone (greedy,
-`--length short`, no document cache), and prints each wall time (process start and model load included: what the
+`--length short`, `--summary generate`: the model writes each summary, no document cache), and prints each wall time (process start and model load included: what the
 user waits for), the ratio, and how many summaries are the same both ways. Alone, an input is read with IndexPool
 (its sources come from the indexer); in the batch, with dense attention. Then, in this process, the engine alone:
 the same summary prompts on one dense session, one after another and as one batch (`jobs.generate_each`).
@@ -23,8 +23,8 @@ from benchmarks.common import CHARS_PER_TOKEN, machine_description, natural_text
 
 
 def run(paths: list[Path], threads: int | None) -> tuple[float, list[dict]]:
-    out, seconds = run_indexpool("summarize", *map(str, paths), "--length", "short", "--json", "--quiet",
-                                 "--no-cache", threads=threads)
+    out, seconds = run_indexpool("summarize", *map(str, paths), "--length", "short", "--summary", "generate",
+                                 "--json", "--quiet", "--no-cache", threads=threads)
     return seconds, [json.loads(line) for line in out.splitlines()]
 
 
