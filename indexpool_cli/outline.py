@@ -399,7 +399,7 @@ def sentence_score(sentence: Sentence, weights: dict[str, float], focus: set[str
     own = set(terms(sentence.text))
     if not own:
         return 0.0
-    score = sum(weights.get(t, 0.0) for t in own) / math.sqrt(len(own))
+    score = sum(weights.get(t, 0.0) for t in sorted(own)) / math.sqrt(len(own))  # sorted: the same sum every run
     if sentence.position < LEADING_SENTENCES:
         score *= LEADING_WEIGHT
     if sentence.text.split(maxsplit=1)[0].strip(",;:").lower() in DANGLING_STARTS:
