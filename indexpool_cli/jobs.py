@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from indexpool.model.errors import SettingsError
 from indexpool.model.indexpool_cache import AttentionEvidence, IndexPoolCache
 from indexpool.model.llama import KVCache
 from indexpool.model.tensor_cache import TensorCache, cache_key
@@ -597,7 +598,7 @@ EXTRACT_MAX_PARAMETERS = 1_000_000_000
 def answer_mode(mode: str, model, option: str = "--answer") -> str:
     """--answer or --summary: extract (from the document), generate (the model writes it), or auto."""
     if mode not in ANSWER_MODES:
-        raise InputError(f"{option} must be one of {', '.join(ANSWER_MODES)}, not {mode!r}")
+        raise SettingsError(f"{option} must be one of {', '.join(ANSWER_MODES)}, not {mode!r}")
     if mode != "auto":
         return mode
     return "extract" if sum(p.numel() for p in model.parameters()) < EXTRACT_MAX_PARAMETERS else "generate"

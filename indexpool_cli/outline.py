@@ -129,7 +129,7 @@ def document_lines(document: Document) -> list[Line]:
 
 def headings(lines: list[Line], document: Document) -> list[Heading]:
     """Every heading the document's lines hold (see the module docstring), in order."""
-    skipped = {i for i, part in enumerate(document.parts) if navigational(part.text)}
+    navigation = {i for i, part in enumerate(document.parts) if navigational(part.text)}
     found: list[Heading] = []
     underline_order: list[str] = []
     numbers: list[int] = []  # the last numbered heading's numbers
@@ -147,7 +147,7 @@ def headings(lines: list[Line], document: Document) -> list[Heading]:
             if definition:
                 found.append(Heading(i, (DEFINITION, 0), definition.group(1)))
             continue
-        if line.part in skipped:
+        if line.part in navigation:
             continue
         fence = _FENCE.match(line.text)
         if fence:
@@ -161,10 +161,7 @@ def headings(lines: list[Line], document: Document) -> list[Heading]:
             found.append(Heading(i, (MARKDOWN, len(markdown.group(1))), clean_title(markdown.group(2))))
             continue
         numbered = _NUMBERED.match(line.text.rstrip())  # at the line's start: an indented one is a list's
-        after = next((later.text for later in lines[i + 1 : i + 3] if later.text.strip()), "")
-        listed = text[len(numbered.group(1)) : len(numbered.group(1)) + 1] == "." if numbered else False
-        continued = after[:1].isspace() or after.strip()[:1].islower()  # "1. The x is\n   continued"
-        if numbered and is_title(numbered.group(2)) and not (listed and continued):
+        if numbered and is_title(numbered.group(2)) and not list_item(numbered, lines, i):
             current = [int(n) for n in numbered.group(1).split(".")]
             if follows(numbers, current):
                 numbers = current
@@ -181,15 +178,23 @@ def headings(lines: list[Line], document: Document) -> list[Heading]:
         entry = _LOG_ENTRY.match(line.text)
         if entry:
             found.append(Heading(i, (LOG_ENTRY, 0), entry.group("deb") or entry.group("git") or text[:60]))
-    return sorted(found + contents_headings(lines, document), key=lambda h: h.line)
+    return sorted(found + contents_headings(lines, document, navigation), key=lambda h: h.line)
 
 
-def contents_headings(lines: list[Line], document: Document) -> list[Heading]:
-    """The entries of the document's table of contents (see the module docstring), each at the first line after
-    the contents (and after the entry before it) whose text is the entry's title: running headers that repeat a
-    title later are not taken."""
-    early = len(document.parts) // 3 + 1
-    contents = [i for i, part in enumerate(document.parts[:early]) if navigational(part.text)]
+def list_item(numbered: re.Match, lines: list[Line], i: int) -> bool:
+    """Whether numbered line `i` starts a list item ("1. The x is" with its next line indented or going on in
+    lower case), not a heading."""
+    if numbered.string[len(numbered.group(1)) : len(numbered.group(1)) + 1] != ".":
+        return False
+    after = next((later.text for later in lines[i + 1 : i + 3] if later.text.strip()), "")
+    return after[:1].isspace() or after.strip()[:1].islower()
+
+
+def contents_headings(lines: list[Line], document: Document, navigation: set[int]) -> list[Heading]:
+    """The entries of the document's table of contents (see the module docstring; `navigation`: the parts that
+    are navigational), each at the first line after the contents (and after the entry before it) whose text is
+    the entry's title: running headers that repeat a title later are not taken."""
+    contents = sorted(i for i in navigation if i <= len(document.parts) // 3)
     if not contents:
         return []
     titles = []
