@@ -2,7 +2,7 @@
 branches (`Session.generate_branches`), in one process on the same read document.
 
 The document is Python's own documentation (`pydoc_data.topics`, about `--length` tokens); it is read once, with
-the neutral question's reading that sources are ranked against (`jobs.evidence_baseline`), as `ask` does; then both
+the neutral question's reading that sources are ranked against (`local.evidence_baseline`), as `ask` does; then both
 ways answer the same questions greedily with up to `-n` new tokens each (a question whose first reading finds a line
 to quote is read again with the quote, both ways). Prints each way's wall time (the questions' reading and the
 answers), the ratio, how many answers quoted, and whether the answers and their sources are the same.
@@ -30,9 +30,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
 
-    from indexpool.model.sessions import SessionOptions, open_session
-    from indexpool.jobs import (PROBE_QUESTION, DocumentTokens, ask_request, batch_size, document_prompt,
-                                    evidence_baseline, request_messages, run_batch, run_request, session_identity)
+    from indexpool.model.sessions import SessionOptions
+    from indexpool.jobs import ask_request, request_messages
+    from indexpool.local import PROBE_QUESTION, DocumentTokens, LocalBackend, batch_size, document_prompt, run_batch, run_request
     from indexpool.model.generate import Sampler, SamplingParams
     from indexpool.model.runtime import load_engine, set_threads
 
@@ -45,23 +45,20 @@ def main() -> None:
     tokens = DocumentTokens.encode(tok, document)
     prompts = [document_prompt(tok, tokens, request_messages(ask_request(q))) for q in questions]
     n = args.max_new_tokens
-    choice = SessionOptions()
-    session = open_session(loaded, choice, max(p.max_tokens for p in prompts) + n, auto="indexpool")
-    t0 = time.perf_counter()
-    session.prefill(prompts[0].ids[: prompts[0].reusable], query_tail=False)
-    baseline = evidence_baseline(session, tok, tokens, prompts[0], request_messages(ask_request(PROBE_QUESTION)),
-                                 session_identity(loaded, session, choice), None, "", print)
-    read = time.perf_counter() - t0
     greedy = Sampler(SamplingParams(temperature=0))
+    backend = LocalBackend(lambda: loaded, SessionOptions(), greedy)
+    session = backend.open_session(max(p.max_tokens for p in prompts) + n, auto="indexpool")
+    held = backend.hold(session, document, prompts[0], request_messages(ask_request(PROBE_QUESTION)))
+    read = held.read_seconds
 
     t0 = time.perf_counter()
-    alone = [run_request(session, tok, p, document, greedy, n, None, False, 0.0, baseline=baseline) for p in prompts]
+    alone = [run_request(held, p, greedy, n) for p in prompts]
     one_by_one = time.perf_counter() - t0
     size = batch_size(session, prompts, n, None)
     t0 = time.perf_counter()
     batched = []
     for start in range(0, len(prompts), size):
-        batched += run_batch(session, tok, prompts[start : start + size], document, greedy, n, False, 0.0, baseline)
+        batched += run_batch(held, prompts[start : start + size], greedy, n)
     together = time.perf_counter() - t0
 
     print(f"document: {prompts[0].doc_end - prompts[0].doc_start:,} tokens, read in {read:.1f} s; "

@@ -117,15 +117,15 @@ class RetrieveThenRead:
 
     def dense(self, document, request: str, max_new_tokens: int) -> str:
         """The model's greedy answer to `request` on `document` in its own context (dense attention)."""
-        from indexpool.jobs import DocumentTokens, document_prompt, request_messages, run_request
+        from indexpool.jobs import request_messages
+        from indexpool.local import DocumentTokens, HeldDocument, document_prompt, run_request
         from indexpool.model.generate import Sampler, SamplingParams, Session
 
         tok = self.loaded.tokenizer
         prompt = document_prompt(tok, DocumentTokens.encode(tok, document), request_messages(request))
         session = Session(self.loaded.model, min(self.loaded.config.context_length, len(prompt.ids) + max_new_tokens))
-        result = run_request(session, tok, prompt, document, Sampler(SamplingParams(temperature=0)),
-                             min(max_new_tokens, session.max_length - len(prompt.ids)), None, False, 0.0,
-                             with_sources=False)
+        result = run_request(HeldDocument(session, tok, document), prompt, Sampler(SamplingParams(temperature=0)),
+                             min(max_new_tokens, session.max_length - len(prompt.ids)), with_sources=False)
         return result.text
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
 from benchmarks.common import leading_pieces, machine_description, natural_text, text_document
 
@@ -96,9 +95,9 @@ def main() -> None:
                         help="quote the lines the question's reading found before answering (as ask does)")
     args = parser.parse_args()
 
-    from indexpool.model.sessions import SessionOptions, open_session
-    from indexpool.jobs import (PROBE_QUESTION, DocumentTokens, ask_request, document_prompt, evidence_baseline,
-                                    plain_request, read_document, request_messages, run_request, session_identity)
+    from indexpool.model.sessions import SessionOptions
+    from indexpool.jobs import ask_request, plain_request, request_messages
+    from indexpool.local import PROBE_QUESTION, DocumentTokens, LocalBackend, document_prompt, run_request
     from indexpool.model.generate import Sampler, SamplingParams
     from indexpool.model.runtime import load_engine, set_threads
 
@@ -116,19 +115,18 @@ def main() -> None:
         doc_tokens = DocumentTokens.encode(tok, document)
         request = ask_request if args.quote else lambda question: plain_request(ask_request(question))
         prompts = [document_prompt(tok, doc_tokens, request_messages(request(question))) for question, _, _ in facts]
-        session = open_session(loaded, choice, max(len(p.ids) for p in prompts) + 40, auto="indexpool")
-        identity = session_identity(loaded, session, choice)
-        t0 = time.perf_counter()
-        read_document(session, prompts[0], identity, None, "", print, None)
-        probe = request_messages(ask_request(PROBE_QUESTION))
-        baseline = evidence_baseline(session, tok, doc_tokens, prompts[0], probe, identity, None, "", print)
-        read_s = time.perf_counter() - t0
+        greedy = Sampler(SamplingParams(temperature=0))
+        backend = LocalBackend(lambda: loaded, choice, greedy)
+        session = backend.open_session(max(len(p.ids) for p in prompts) + 40, auto="indexpool")
+        held = backend.hold(session, document, prompts[0], request_messages(ask_request(PROBE_QUESTION)))
+        read_s = held.read_seconds
+        if args.plain_sources:
+            held.baseline = None
         print(f"\n{'with' if with_facts else 'WITHOUT'} facts: {prompts[0].doc_end - prompts[0].doc_start:,} document "
               f"tokens read in {read_s:.0f}s")
         correct = cited = invented = quoted = 0
         for (question, code, line), prompt in zip(facts, prompts):
-            result = run_request(session, tok, prompt, document, Sampler(SamplingParams(temperature=0)), 40, None,
-                                 True, 0.0, baseline=None if args.plain_sources else baseline)
+            result = run_request(held, prompt, greedy, 40)
             answer = result.text.strip().replace("\n", " ")
             hit = code.lower() in answer.lower()
             first = cited_lines(result.sources[0]["cite"]) if result.sources else None

@@ -6,7 +6,7 @@ different stretch per file), runs the installed command on all of them at once a
 `--length short`, `--summary generate`: the model writes each summary, no document cache), and prints each wall time (process start and model load included: what the
 user waits for), the ratio, and how many summaries are the same both ways. Alone, an input is read with IndexPool
 (its sources come from the indexer); in the batch, with dense attention. Then, in this process, the engine alone:
-the same summary prompts on one dense session, one after another and as one batch (`jobs.generate_each`).
+the same summary prompts on one dense session, one after another and as one batch (`local.generate_each`).
 
     .venv/bin/python -m benchmarks.input_batching --inputs 6 --tokens 1000 --threads 1
 """
@@ -59,8 +59,8 @@ def main() -> None:
 
 def engine_only(texts: list[str], threads: int | None) -> None:
     from indexpool.ingest import Document, Part
-    from indexpool.jobs import (SUMMARY_LENGTHS, DocumentTokens, document_prompt, generate_each, request_messages,
-                                    summary_request)
+    from indexpool.jobs import SUMMARY_LENGTHS, request_messages, summary_request
+    from indexpool.local import DocumentTokens, document_prompt, generate_each
     from indexpool.model.generate import Sampler, SamplingParams, Session
     from indexpool.model.runtime import load_engine, set_threads
 

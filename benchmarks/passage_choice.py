@@ -1,6 +1,6 @@
 """Which signal finds the passage that answers: the question's words, the model's reading of the whole document
 (IndexPool attention evidence), the model's likelihood of the question after a candidate passage, or all three as
-`ask` combines them (indexpool_cli/jobs.py `passage_quote`). On the real-document set of benchmarks/doc_qa.py.
+`ask` combines them (indexpool_cli/local.py `passage_quote`). On the real-document set of benchmarks/doc_qa.py.
 
 For every question, after the document is read as `ask` reads it, the passage each scorer puts first is checked:
 does it hold an accepted answer, and is its part a ground-truth location (the first source `ask` cites)?
@@ -26,13 +26,13 @@ SCORERS = [("words", 0.0, 0.0, True), ("attention", 1.0, 0.0, False), ("words + 
 def choose(lexical, attention, likelihood, candidates, attention_weight, model_weight, words) -> int:
     """The passage a scorer puts first: attention alone over every passage; the others among the candidates, as
     `passage_quote` ranks them (`ranked_passages`; a weight None: ask's)."""
-    from indexpool import jobs
+    from indexpool import local, retrieval
 
     if not words:
         return max(range(len(attention)), key=attention.__getitem__)
-    a = jobs.ATTENTION_WEIGHT if attention_weight is None else attention_weight
-    m = jobs.MODEL_WEIGHT if model_weight is None else model_weight
-    return jobs.ranked_passages(lexical, attention, candidates, likelihood, a, m)[0]
+    a = retrieval.ATTENTION_WEIGHT if attention_weight is None else attention_weight
+    m = local.MODEL_WEIGHT if model_weight is None else model_weight
+    return local.ranked_passages(lexical, attention, candidates, likelihood, a, m)[0]
 
 
 def main() -> None:
@@ -42,12 +42,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
 
-    from indexpool.model.sessions import SessionOptions, open_session
+    from indexpool.model.sessions import SessionOptions
     from indexpool.ingest import load_document
-    from indexpool.jobs import (PROBE_QUESTION, RERANK_CONTEXT_TOKENS, DocumentTokens, ask_request,
-                                    document_prompt, evidence_baseline, passage_attention, question_likelihoods,
-                                    read_document, request_evidence, request_messages, rerank_candidates,
-                                    session_identity)
+    from indexpool.jobs import ask_request, request_messages
+    from indexpool.local import (PROBE_QUESTION, RERANK_CONTEXT_TOKENS, DocumentTokens, LocalBackend, document_prompt,
+                                 passage_attention, question_likelihoods, request_evidence, rerank_candidates)
     from indexpool.model.runtime import load_engine, set_threads
 
     set_threads(args.threads)
@@ -71,12 +70,10 @@ def main() -> None:
             tokens = DocumentTokens.encode(tok, document)
             prompts = [document_prompt(tok, tokens, request_messages(ask_request(q["question"])))
                        for q in doc_set["questions"]]
-            choice = SessionOptions()
-            session = open_session(loaded, choice, max(p.max_tokens for p in prompts), auto="indexpool")
-            identity = session_identity(loaded, session, choice)
-            read_document(session, prompts[0], identity, None, name, print, None)
-            baseline = evidence_baseline(session, tok, tokens, prompts[0],
-                                         request_messages(ask_request(PROBE_QUESTION)), identity, None, name, print)
+            backend = LocalBackend(lambda: loaded, SessionOptions(), None)
+            session = backend.open_session(max(p.max_tokens for p in prompts), auto="indexpool")
+            baseline = backend.hold(session, document, prompts[0],
+                                    request_messages(ask_request(PROBE_QUESTION))).baseline
             index = tokens.index(tok)
             spans = [index.passage_span(p) for p in index.lexical.passages]
             texts = ["".join(text for _, text in index.lexical.lines[p.first_line : p.last_line])

@@ -3,7 +3,7 @@
 Builds a document of `--length` tokens from chapters of Python's own documentation (`pydoc_data.topics`, as
 benchmarks/summary_coverage.py does), splits it into sections that fit the default model's context as
 `summarize --strategy hierarchical` does (4 sections at the default length), and summarizes every section
-greedily twice in one process, each time on a fresh dense session: one by one (`summarize_sections` with a batch
+greedily twice in one process, each time on a fresh dense session: one by one (`generate_each` with a batch
 of 1, the path used before batching) and in batches of the size `section_batch_size` picks from the prompts'
 lengths and the memory available. Prints both wall times and their ratio, the same past the time reading the
 prompts alone takes (measured first: prefill is the same work either way), and how many summaries came out
@@ -33,8 +33,8 @@ def main() -> None:
     import dataclasses
 
     from indexpool.model.sessions import SessionOptions, available_memory_bytes, open_session
-    from indexpool.jobs import (SECTION_RESERVE, SECTION_SUMMARY_TOKENS, section_batch_size, section_prompts,
-                                    split_sections, summarize_sections)
+    from indexpool.jobs import SECTION_SUMMARY_TOKENS, request_messages, split_sections, summary_request
+    from indexpool.local import SECTION_RESERVE, DocumentTokens, document_prompt, generate_each, section_batch_size
     from indexpool.model.generate import Sampler, SamplingParams
     from indexpool.model.runtime import load_engine, set_threads
 
@@ -46,7 +46,8 @@ def main() -> None:
     context = loaded.config.context_length
     budget = min(args.section_tokens or context, context - SECTION_RESERVE)
     sections = split_sections(document, lambda part: len(tok.encode(part)), budget)
-    prompts = section_prompts(tok, sections)
+    request = request_messages(summary_request("short", None))  # what `summarize` asks of each section
+    prompts = [document_prompt(tok, DocumentTokens.encode(tok, section), request) for section in sections]
     dense = dataclasses.replace(SessionOptions(), attention="dense")
     size = section_batch_size(open_session(loaded, dense, context), [len(p.ids) for p in prompts],
                               SECTION_SUMMARY_TOKENS, available_memory_bytes())
@@ -63,7 +64,9 @@ def main() -> None:
     for name, batch in (("one by one", 1), ("batched", size)):
         session = open_session(loaded, dense, context)  # fresh: neither run finds the other's tokens held
         t0 = time.perf_counter()
-        summaries = summarize_sections(session, tok, sections, prompts, Sampler(SamplingParams(temperature=0)), batch)
+        results = generate_each(session, tok, prompts, sections, Sampler(SamplingParams(temperature=0)),
+                                SECTION_SUMMARY_TOKENS, batch)
+        summaries = [result.text.strip() for result in results]
         runs[name] = (time.perf_counter() - t0, summaries)
         print(f"{name:>10}: {runs[name][0]:.1f}s, {runs[name][0] - prefill_seconds:.1f}s past reading", flush=True)
     (alone_seconds, alone), (batched_seconds, batched) = runs["one by one"], runs["batched"]

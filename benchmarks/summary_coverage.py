@@ -23,41 +23,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
 
-    import dataclasses
-
-    from indexpool.model.sessions import SessionOptions, open_session
-    from indexpool.jobs import (SUMMARY_LENGTHS, DocumentTokens, document_prompt, read_document, request_messages,
-                                    run_request, session_identity, summarize_hierarchical, summary_request)
+    from indexpool import jobs
+    from indexpool.local import LocalBackend
     from indexpool.model.generate import Sampler, SamplingParams
     from indexpool.model.runtime import load_engine, set_threads
+    from indexpool.model.sessions import SessionOptions
 
     set_threads(args.threads)
     print(machine_description())
     loaded = load_engine(None)
-    tok = loaded.tokenizer
-    document, names = chapters_document(tok, args.length)
-    request, budget = summary_request("long", None), SUMMARY_LENGTHS["long"][1]
-    choice = SessionOptions()
-    results = {}
-
-    t0 = time.perf_counter()
-    prompt = document_prompt(tok, DocumentTokens.encode(tok, document), request_messages(request))
-    session = open_session(loaded, choice, len(prompt.ids) + budget, auto="indexpool")
-    read_document(session, prompt, session_identity(loaded, session, choice), None, "", print, None)
-    print(f"document: {prompt.doc_end - prompt.doc_start:,} tokens, {len(names)} chapters", flush=True)
-    results["single"] = (run_request(session, tok, prompt, document, Sampler(SamplingParams(temperature=0)), budget,
-                                     None, False, 0.0), time.perf_counter() - t0)
-    show("single", *results["single"], names)
-    del session
-
-    t0 = time.perf_counter()
-    dense = dataclasses.replace(choice, attention="dense")
-    results["hierarchical"] = (summarize_hierarchical(
-        loaded, document, request, budget, Sampler(SamplingParams(temperature=0)), None,
-        lambda needed: open_session(loaded, dense, needed), lambda needed: open_session(loaded, choice, needed,
-                                                                                        auto="indexpool")),
-        time.perf_counter() - t0)
-    show("hierarchical", *results["hierarchical"], names)
+    document, names = chapters_document(loaded.tokenizer, args.length)
+    backend = LocalBackend(lambda: loaded, SessionOptions(), Sampler(SamplingParams(temperature=0)))
+    print(f"document: {backend.document_tokens(document):,} tokens, {len(names)} chapters", flush=True)
+    for strategy in ("single", "hierarchical"):  # as `summarize --length long --summary generate --strategy ...`
+        t0 = time.perf_counter()
+        (result,) = jobs.summarize(backend, [document], "long", strategy=strategy, summary="generate")
+        show(strategy, result, time.perf_counter() - t0, names)
 
 
 def show(strategy: str, result, seconds: float, names: list[str]) -> None:
@@ -66,7 +47,6 @@ def show(strategy: str, result, seconds: float, names: list[str]) -> None:
     print(f"{strategy:>12}: coverage {len(named)}/{len(names)} ({100 * len(named) / len(names):.0f}%), "
           f"{result.new_tokens} tokens, {seconds:.0f}s; named: {', '.join(named)}")
     print(f"{'':>14}{result.text.strip()[:300]!r}", flush=True)
-
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import json
 import os
 import sys
@@ -22,11 +21,11 @@ import typer
 
 from indexpool.model.errors import ModelLoadError, SettingsError
 
-from .attention import AttentionChoice, attention_options, open_session, speculative_session
+from .attention import AttentionChoice, attention_options, calibrating
 from .console import InputError, err_console, fail, prefill_progress, read_text_input, show_stats
 from .ingest import IngestError
 from .options import option_group
-from .remote import RemoteChoice, RemoteError
+from .remote import RemoteError
 
 app = typer.Typer(
     name="indexpool",
@@ -122,12 +121,37 @@ class DocumentChoice:
 
     def results(self):
         """Where results from a server (--backend openai) are kept: beside the read documents."""
-        from .remote import ResultCache
+        from .jobs import ResultCache
 
-        return ResultCache(cache_directory(self.cache_dir) / REMOTE_RESULTS) if self.doc_cache else None
+        return ResultCache(cache_directory(self.cache_dir) / RESULTS) if self.doc_cache else None
 
 
-REMOTE_RESULTS = "remote-results"  # a folder of the document cache directory
+RESULTS = "remote-results"  # a folder of the document cache directory: the result cache
+BACKENDS = ("local", "openai")
+
+
+@dataclass
+class RemoteChoice:
+    backend: Annotated[str, typer.Option("--backend", help="local (the model runs here) or openai (send the work to an OpenAI-compatible server: vLLM, SGLang, llama.cpp).")] = "local"
+    base_url: Annotated[Optional[str], typer.Option("--base-url", envvar="INDEXPOOL_BASE_URL", help="--backend openai: the server's API root, e.g. http://localhost:8000/v1.")] = None
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar=["INDEXPOOL_API_KEY", "OPENAI_API_KEY"], show_default=False, help="--backend openai: the server's API key.")] = None
+    model_name: Annotated[Optional[str], typer.Option("--model-name", help="--backend openai: the served model to use (default: the one the server lists first).")] = None
+    max_concurrency: Annotated[int, typer.Option("--max-concurrency", min=1, help="--backend openai: most requests in flight at once.")] = 4
+    timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="--backend openai: seconds to wait for the server's next bytes before giving up on a request.")] = 600.0
+    retries: Annotated[int, typer.Option("--retries", min=0, help="--backend openai: retries of a request after a connection error or a busy server (429/503), with backoff.")] = 3
+    context_length: Annotated[Optional[int], typer.Option("--context-length", min=1, help="--backend openai: the server's context in tokens, where it does not report it (vLLM and SGLang do).")] = None
+
+    def check(self) -> None:
+        """Usage errors (exit 2) before anything is read or sent."""
+        from .remote import ServerAddress
+
+        if self.backend not in BACKENDS:
+            raise typer.BadParameter(f"--backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
+        if self.backend == "openai" and not self.base_url:
+            raise typer.BadParameter("--backend openai needs --base-url (or INDEXPOOL_BASE_URL), e.g. "
+                                     "http://localhost:8000/v1")
+        if self.base_url:
+            ServerAddress.parse(self.base_url)
 
 
 def cache_directory(given: Path | None) -> Path:
@@ -136,15 +160,22 @@ def cache_directory(given: Path | None) -> Path:
     return given or default_cache_dir("documents")
 
 
-def _load(run: RunChoice):
-    from indexpool.model.runtime import decode_bits, default_device, load_engine, resolve_dtype, set_threads
+def _check_run(run: RunChoice) -> None:
+    """Usage errors in the run options, before anything is read or loaded."""
+    from indexpool.model.runtime import decode_bits, default_device, resolve_dtype, set_threads
 
     try:
         resolve_dtype(run.dtype, default_device())
         decode_bits(run.decode_weights, 16)
         set_threads(run.threads)
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+        raise SettingsError(str(e)) from None
+
+
+def _load(run: RunChoice):
+    from indexpool.model.runtime import load_engine
+
+    _check_run(run)
     t0 = time.perf_counter()
     with err_console.status("loading model", spinner="dots") if run.progress else contextlib.nullcontext():
         loaded = load_engine(run.model, run.dtype, decode_weights=run.decode_weights)
@@ -155,28 +186,40 @@ def _load(run: RunChoice):
     return loaded
 
 
-def _stream(session, tokenizer, prompt_ids, sampler, max_new_tokens, json_out: bool, quiet: bool):
-    """Generate, writing text to stdout as it comes unless JSON is wanted; returns (text, stats)."""
-    from indexpool.model.generate import GenerationStats
+def _events(run: RunChoice):
+    """The engine's messages and progress, on stderr."""
+    from .local import Events
 
-    stats = GenerationStats()
-    decoder = tokenizer.stream_decoder()
-    pieces = []
-    with prefill_progress(len(prompt_ids), enabled=err_console.is_terminal and not quiet) as on_progress:
-        tokens = session.generate(prompt_ids, sampler, max_new_tokens, tokenizer.stop_ids, stats, on_progress)
-        first = next(tokens, None)
-    for token in () if first is None else itertools.chain([first], tokens):
-        piece = decoder.push(token)
-        pieces.append(piece)
-        if piece and not json_out:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-    tail = decoder.flush()
-    pieces.append(tail)
-    if not json_out:
-        sys.stdout.write(tail)
-        sys.stdout.flush()
-    return "".join(pieces), stats
+    def progress(message: str) -> None:
+        if run.progress:
+            err_console.print(f"[dim]{message}[/dim]")
+
+    return Events(warn=lambda message: _warn(message, run), progress=progress,
+                  reading=lambda total: prefill_progress(total, run.progress), calibrating=calibrating)
+
+
+def _local(run: RunChoice, sampling: SamplingChoice, attention: AttentionChoice, document: DocumentChoice | None = None):
+    """The local engine as the jobs' backend; the model is loaded when a job first needs it."""
+    from .local import LocalBackend
+
+    _check_run(run)
+    options = attention.options()
+    options.check()
+    return LocalBackend(lambda: _load(run), options, sampling.sampler(), document.cache() if document else None,
+                        _events(run))
+
+
+def _backend(run: RunChoice, sampling: SamplingChoice, attention: AttentionChoice, document: DocumentChoice,
+             remote: RemoteChoice):
+    """The backend the options choose: the local engine, or an OpenAI-compatible server."""
+    if remote.backend == "openai":
+        from .remote import OpenAIBackend, sampling_fields
+
+        sampling.sampler()  # its usage errors, as the local engine gives them
+        fields = sampling_fields(sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed)
+        return OpenAIBackend(remote.base_url, fields, remote.api_key, remote.model_name, remote.max_concurrency,
+                             remote.timeout, remote.retries, remote.context_length)
+    return _local(run, sampling, attention, document)
 
 
 def _stats_json(stats) -> dict:
@@ -212,139 +255,67 @@ def complete(
     """Continue raw text (no chat template), streaming only the new text to stdout. Inputs longer than the model's
     context are read with IndexPool sparse attention. With --file, PROMPT is a folder (or document) and the model
     continues that file at --line, with the rest of the folder read first."""
-    sampler = sampling.sampler()
+    from .jobs import completion_context
+
+    backend = _local(run, sampling, attention)
     if file is None:
         if line is not None:
             raise typer.BadParameter("--line needs --file")
         text = read_text_input(prompt)
     else:
-        from .jobs import completion_context
-
         if prompt is None:
             raise typer.BadParameter("give the folder or document that holds --file")
         text = completion_context(document.load([prompt]), file, line)
-    loaded = _load(run)
-    tok = loaded.tokenizer
-    ids = ([tok.bos_id] if tok.add_bos and tok.bos_id is not None else []) + tok.encode(text)
-    if not ids:
-        raise InputError("the prompt is empty")
-    if speculative:
-        session = speculative_session(loaded, attention, len(ids) + max_new_tokens, sampler)
-    else:
-        session = open_session(loaded, attention, len(ids) + max_new_tokens)
-    out, stats = _stream(session, tok, ids, sampler, max_new_tokens, run.json_out, run.quiet)
+    out, stats = backend.complete(text, max_new_tokens, None if run.json_out else _write_stdout, speculative)
     if run.json_out:
         drafts = {"drafts": {"checked": stats.drafted, "kept": stats.accepted}} if speculative else {}
-        print(json.dumps({"text": out, "model": loaded.name, **_stats_json(stats), **drafts}, ensure_ascii=False))
+        print(json.dumps({"text": out, "model": backend.name, **_stats_json(stats), **drafts}, ensure_ascii=False))
     elif not run.quiet:
         show_stats(stats, newline=not out.endswith("\n"))
 
 
-def _document_job(paths: list[str], requests: list[str], max_new_tokens: int, run: RunChoice,
-                  sampling: SamplingChoice, attention: AttentionChoice, document: DocumentChoice,
-                  system: str | None = None, doc=None, loaded=None, remote: RemoteChoice | None = None,
-                  kind: str = "ask", label: str | None = None, answer: str = "generate") -> None:
-    """Read the document once (or restore it from the document cache), then answer the requests: extracted from
-    the document where `answer` (`jobs.answer_mode`) says so and a passage is found (`jobs.extract_answer`), else
-    generated: together, as branches of the held document, when the session allows (`jobs.batch_size`), else in
-    turn. `doc` and `loaded` when the caller has them already; `remote` sends the requests to a server instead;
-    `label` names the input in --json (one of several). Results are shown in the requests' order."""
-    from indexpool.model.sessions import available_memory_bytes
-    from .jobs import (PROBE_QUESTION, DocumentTokens, answer_mode, ask_request, batch_size, document_prompt,
-                       evidence_baseline, extract_answer, plain_request, read_document, request_messages, run_batch,
-                       run_request, session_identity)
+class ResultWriter:
+    """A job's results on stdout in request order: each text as it is written (or at once when it comes whole),
+    then its sources line, notes and statistics (`_show_result`); --json: one object per result. With several
+    inputs each result is headed "==> label <==", as head(1) heads files."""
 
-    doc = doc or document.load(paths)
-    for note in doc.notes:
-        _warn(note, run)
-    if doc.skipped and not run.quiet:
-        _warn(f"skipped {len(doc.skipped)} file(s) or folder(s): " + ", ".join(f"{p} ({why})" for p, why in doc.skipped[:5])
-              + (" ..." if len(doc.skipped) > 5 else ""), run)
-    if remote is not None and remote.backend == "openai":
-        from types import SimpleNamespace
+    def __init__(self, run: RunChoice, backend, requests: list[str], labels: list[str | None] | None = None):
+        self.run = run
+        self.backend = backend
+        self.requests = requests
+        self.labels = labels or [None] * len(requests)
+        self.started: set[int] = set()
 
-        from .remote import run_remote_job
+    def start(self, i: int) -> None:
+        if i in self.started or self.run.json_out:
+            return
+        self.started.add(i)
+        if self.labels[i] is not None:
+            sys.stdout.write(("\n" if i else "") + f"==> {self.labels[i]} <==\n")
+        elif i:
+            sys.stdout.write("\n")
 
-        served = SimpleNamespace(name=remote.model_name or remote.base_url)
+    def text(self, i: int, piece: str) -> None:
+        self.start(i)
+        _write_stdout(piece)
 
-        def show(i, result):  # in request order, as each completes; the remote path does not stream
-            if i and not run.json_out:
-                sys.stdout.write("\n")
-            if not run.json_out:
-                sys.stdout.write(result.text)
-            _show_result(result, plain_request(requests[i]), served, run, label)
+    @property
+    def on_text(self):
+        return None if self.run.json_out else self.text
 
-        from .remote import sampling_fields
-
-        fields = sampling_fields(sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed)
-        run_remote_job(doc, requests, max_new_tokens, remote, fields, show, kind, document.results())
-        return
-    sampler = sampling.sampler()
-    loaded = loaded or _load(run)
-    tok = loaded.tokenizer
-    doc_tokens = DocumentTokens.encode(tok, doc)
-    prompts = [document_prompt(tok, doc_tokens, request_messages(request, system), attention.kpool) for request in requests]
-    needed = max(p.max_tokens for p in prompts) + max_new_tokens
-    session = open_session(loaded, attention, needed, auto="indexpool")
-    identity = session_identity(loaded, session, attention)
-    doc_cache = document.cache()
-    description = f"{', '.join(paths)} ({prompts[0].doc_end - prompts[0].doc_start:,} tokens)"
-    t0 = time.perf_counter()
-    with prefill_progress(prompts[0].reusable, enabled=run.progress) as on_progress:
-        cached = read_document(session, prompts[0], identity, doc_cache, description, lambda m: _warn(m, run), on_progress)
-    probe = request_messages(ask_request(PROBE_QUESTION), system)
-    baseline = evidence_baseline(session, tok, doc_tokens, prompts[0], probe, identity, doc_cache, description,
-                                 lambda m: _warn(m, run))
-    read_seconds = time.perf_counter() - t0
-    extracted = [None] * len(prompts)
-    if answer_mode(answer, loaded.model) == "extract":
-        extracted = [extract_answer(session, tok, p, doc, cached, read_seconds, baseline) for p in prompts]
-    shown = 0  # results shown so far, in request order
-
-    def show_extracted(before: int) -> None:  # the extracted results ahead of request `before`
-        for j in range(shown, before):
-            if extracted[j] is not None:
-                show(j, extracted[j])
-
-    def show(i: int, result, streamed: bool = False) -> None:
-        nonlocal shown
-        show_extracted(i)
-        if i:  # the document was read (or restored) once, for the first request; later ones found it held
-            result.cached, result.read_seconds = True, 0.0
-        if not run.json_out and not streamed:
-            sys.stdout.write(("\n" if i else "") + result.text)
-        _show_result(result, plain_request(requests[i]), loaded, run, label)
-        shown = i + 1
-
-    pending = [i for i, result in enumerate(extracted) if result is None]
-    budget = min(max_new_tokens, session.max_length - max(p.max_tokens for p in prompts))
-    size = batch_size(session, [prompts[i] for i in pending], budget, available_memory_bytes()) if pending else 1
-    for first in range(0, len(pending), size):  # every prompt starts with the document, which the session holds
-        rows = pending[first : first + size]
-        if size > 1:  # decoded together: each answer is shown when the batch is done
-            if run.progress:
-                err_console.print(f"[dim]answering {len(rows)} requests as one batch[/dim]")
-            for i, result in zip(rows, run_batch(session, tok, [prompts[i] for i in rows], doc, sampler, budget,
-                                                 cached, read_seconds, baseline)):
-                show(i, result)
-            continue
-        i = rows[0]
-        streamed = not run.json_out
-        if streamed:  # what comes before this answer, as it is written
-            show_extracted(i)
-            if i:
-                sys.stdout.write("\n")
-        show(i, run_request(session, tok, prompts[i], doc, sampler, budget, _write_stdout if streamed else None,
-                            cached, read_seconds, baseline=baseline), streamed)
-    show_extracted(len(prompts))
+    def result(self, i: int, result) -> None:
+        if i not in self.started and not self.run.json_out:
+            self.start(i)
+            sys.stdout.write(result.text)
+        _show_result(result, self.requests[i], self.backend.name, self.run, self.labels[i])
 
 
-def _show_result(result, request: str, loaded, run: RunChoice, label: str | None = None) -> None:
-    """The end of a document job's result (its text was streamed already unless --json): sources, notes, stats.
+def _show_result(result, request: str, model: str | None, run: RunChoice, label: str | None = None) -> None:
+    """The end of a document job's result (its text was written already unless --json): sources, notes, stats.
     `label`: the input it is about, one of several."""
     if run.json_out:
         about = {} if label is None else {"path": label}
-        print(json.dumps({**about, "request": request, "model": loaded.name, **result.to_json()}, ensure_ascii=False),
+        print(json.dumps({**about, "request": request, "model": model, **result.to_json()}, ensure_ascii=False),
               flush=True)
         return
     if not result.text.endswith("\n"):
@@ -370,6 +341,17 @@ def _warn(message: str, run: RunChoice) -> None:
         err_console.print(f"indexpool: {message}", markup=False, soft_wrap=True)
 
 
+def _read(document: DocumentChoice, paths: list[str], run: RunChoice):
+    """The inputs as one document, its notes and what a folder walk skipped told on stderr."""
+    doc = document.load(paths)
+    for note in doc.notes:
+        _warn(note, run)
+    if doc.skipped and not run.quiet:
+        _warn(f"skipped {len(doc.skipped)} file(s) or folder(s): " + ", ".join(f"{p} ({why})" for p, why in doc.skipped[:5])
+              + (" ..." if len(doc.skipped) > 5 else ""), run)
+    return doc
+
+
 def document_command(fn):
     """A command over documents (ask, summarize): every option group, greedy decoding by default."""
     for decorate in (option_group(RunChoice, "run"), option_group(SamplingChoice, "sampling", temperature=0.0),
@@ -380,8 +362,6 @@ def document_command(fn):
 
 
 PathsArg = Annotated[list[str], typer.Argument(help="Files, folders, or '-' for stdin.")]
-SUMMARY_STRATEGIES = ("auto", "single", "hierarchical")
-DOCUMENT_CHAT_TOKENS = 65536  # room for a conversation about a document, on top of the document
 
 
 @document_command
@@ -401,19 +381,17 @@ def ask(
     """Answer questions about a document, book, codebase or chat log, citing the pages, lines or messages the
     answer rests on. The whole input is read in one context (IndexPool); a second question on the same input
     starts from the document cache."""
-    from .jobs import ANSWER_MODES, ask_request, plain_request
+    from . import jobs
 
     asked = ([question] if question else []) + list(questions or [])
     if not asked:
         raise typer.BadParameter("give a question (after the path, or with --question)")
-    if any(not q.strip() for q in asked):
-        raise typer.BadParameter("a question is empty")
-    if answer not in ANSWER_MODES:
-        raise typer.BadParameter(f"--answer must be one of {', '.join(ANSWER_MODES)}, not {answer!r}")
+    jobs.choice(answer, jobs.ANSWER_MODES, "--answer")
     remote.check()
-    requests = [ask_request(q) if quote else plain_request(ask_request(q)) for q in asked]
-    _document_job([path], requests, max_new_tokens, run, sampling, attention, document, remote=remote, kind="ask",
-                  answer=answer)
+    doc = _read(document, [path], run)
+    backend = _backend(run, sampling, attention, document, remote)
+    out = ResultWriter(run, backend, [jobs.plain_request(jobs.ask_request(q)) for q in asked])
+    jobs.ask(backend, doc, asked, max_new_tokens, answer, quote, out.result, out.on_text, document.results())
 
 
 @document_command
@@ -434,133 +412,20 @@ def summarize(
 ):
     """Summarize documents, citing the pages, lines or sections each summary draws on most. Several paths get a
     summary each (headed "==> path <==", or "path" in --json), unless --together."""
-    from .jobs import ANSWER_MODES, SUMMARY_LENGTHS, answer_mode, summary_request
+    from . import jobs
 
-    if length not in SUMMARY_LENGTHS:
-        raise typer.BadParameter(f"--length must be one of {', '.join(SUMMARY_LENGTHS)}, not {length!r}")
-    if summary not in ANSWER_MODES:
-        raise typer.BadParameter(f"--summary must be one of {', '.join(ANSWER_MODES)}, not {summary!r}")
-    if strategy not in SUMMARY_STRATEGIES:
-        raise typer.BadParameter(f"--strategy must be one of {', '.join(SUMMARY_STRATEGIES)}, not {strategy!r}")
+    jobs.choice(length, jobs.SUMMARY_LENGTHS, "--length")
+    jobs.choice(summary, jobs.ANSWER_MODES, "--summary")
+    jobs.choice(strategy, jobs.SUMMARY_STRATEGIES, "--strategy")
     remote.check()
-    request, budget = summary_request(length, focus), max_new_tokens or SUMMARY_LENGTHS[length][1]
     each = len(paths) > 1 and not together
     inputs = [[p] for p in paths] if each else [list(paths)]
-    docs = [document.load(p) for p in inputs]  # every input read before any work: a bad one fails first
-    labels = [p[0] for p in inputs] if each else [None]
-    loaded = None
-    if summary == "auto" and remote.backend != "openai":
-        loaded = _load(run)
-        summary = answer_mode(summary, loaded.model, "--summary")
-    if summary == "extract":  # no model needed: given --summary extract, none is loaded
-        _show_outlines(docs, labels, length, focus, request, loaded.name if loaded else None, run)
-        return
-    if remote.backend == "openai":  # the server's context decides one pass or sections
-        for i, (path, doc, label) in enumerate(zip(inputs, docs, labels)):
-            _show_label(label, i, run)
-            _document_job(path, [request], budget, run, sampling, attention, document, doc=doc, remote=remote,
-                          kind="summarize", label=label)
-        return
-    loaded = loaded or _load(run)
-    counts = [sum(len(loaded.tokenizer.encode(part.text)) for part in doc.parts) for doc in docs]
-    strategies = [_summary_strategy(strategy, loaded, n) for n in counts]
-    batched = _summarize_batched(loaded, docs, counts, strategies, request, budget, sampling, attention, run) \
-        if each else {}
-    for i, (path, doc, label) in enumerate(zip(inputs, docs, labels)):
-        _show_label(label, i, run)
-        if i in batched:
-            if not run.json_out:
-                sys.stdout.write(batched[i].text)
-            _show_result(batched[i], request, loaded, run, label)
-        elif strategies[i] == "single":
-            _document_job(path, [request], budget, run, sampling, attention, document, doc=doc, loaded=loaded,
-                          label=label)
-        else:
-            _summarize_hierarchical(loaded, doc, request, budget, section_tokens, run, sampling, attention, label)
-
-
-def _show_outlines(docs, labels: list[str | None], length: str, focus: str | None, request: str,
-                   model: str | None, run: RunChoice) -> None:
-    """Each input's extractive summary (`jobs.outline_summary`), shown as a generated one is."""
-    from types import SimpleNamespace
-
-    from .jobs import outline_summary
-
-    for i, (doc, label) in enumerate(zip(docs, labels)):
-        for note in doc.notes:
-            _warn(note, run)
-        _show_label(label, i, run)
-        result = outline_summary(doc, length, focus)
-        if not run.json_out:
-            sys.stdout.write(result.text)
-        _show_result(result, request, SimpleNamespace(name=model), run, label)
-
-
-def _summary_strategy(strategy: str, loaded, document_tokens: int) -> str:
-    """auto: one pass when the document fits the model's own context, else hierarchical."""
-    from .jobs import SECTION_RESERVE
-
-    if strategy != "auto":
-        return strategy
-    return "single" if document_tokens <= loaded.config.context_length - SECTION_RESERVE else "hierarchical"
-
-
-def _summarize_batched(loaded, docs, counts: list[int], strategies: list[str], request: str, budget: int,
-                       sampling: SamplingChoice, attention: AttentionChoice, run: RunChoice) -> dict:
-    """The summaries of the inputs that fit the model's context (one pass), decoded together on a dense session
-    in batches as large as memory allows; {input index: JobResult}. Empty when fewer than two fit, or when
-    --attention indexpool asks for IndexPool (a batch of different documents is dense)."""
-    from indexpool.model.sessions import available_memory_bytes
-    from .jobs import (SECTION_RESERVE, DocumentTokens, document_prompt, generate_each, request_messages,
-                       section_batch_size)
-    from .remote import matched_sources
-
-    tok, context = loaded.tokenizer, loaded.config.context_length
-    chosen = [i for i, (n, s) in enumerate(zip(counts, strategies)) if s == "single" and n <= context - SECTION_RESERVE]
-    if len(chosen) < 2 or attention.attention == "indexpool":
-        return {}
-    prompts = [document_prompt(tok, DocumentTokens.encode(tok, docs[i]), request_messages(request)) for i in chosen]
-    session = open_session(loaded, dataclasses.replace(attention, attention="dense"), context)
-    batch = section_batch_size(session, [len(p.ids) for p in prompts], budget, available_memory_bytes())
-
-    def show(rows: range, total: int) -> None:
-        if run.progress:
-            err_console.print(f"[dim]summarizing inputs {rows.start + 1}-{rows.stop} of {total} fitting the model's "
-                              f"context as one batch[/dim]" if len(rows) > 1 else
-                              f"[dim]summarizing input {rows.start + 1} of {total}[/dim]")
-
-    results = generate_each(session, tok, prompts, [docs[i] for i in chosen], sampling.sampler(), budget, batch, show)
-    for i, result in zip(chosen, results):
-        result.sources = matched_sources(result.text, docs[i])
-        result.notes.append("decoded in a batch with other inputs: sources are the parts whose wording the summary "
-                            "repeats (a batch keeps no attention evidence)")
-    return dict(zip(chosen, results))
-
-
-def _summarize_hierarchical(loaded, doc, request: str, budget: int, section_tokens: int | None, run: RunChoice,
-                            sampling: SamplingChoice, attention: AttentionChoice, label: str | None) -> None:
-    from .jobs import summarize_hierarchical
-
-    dense = dataclasses.replace(attention, attention="dense")
-    result = summarize_hierarchical(
-        loaded, doc, request, budget, sampling.sampler(), section_tokens,
-        lambda needed: open_session(loaded, dense, needed),
-        lambda needed: open_session(loaded, attention, needed, auto="indexpool"),
-        on_text=None if run.json_out else _write_stdout,
-        on_section=_show_sections if run.progress else None)
-    _show_result(result, request, loaded, run, label)
-
-
-def _show_label(label: str | None, index: int, run: RunChoice) -> None:
-    """The heading of one input's result among several (text output), as head(1) heads files."""
-    if label is not None and not run.json_out:
-        sys.stdout.write(("\n" if index else "") + f"==> {label} <==\n")
-        sys.stdout.flush()
-
-
-def _show_sections(batch: range, total: int) -> None:
-    which = f"section {batch.start + 1}" if len(batch) == 1 else f"sections {batch.start + 1}-{batch.stop}"
-    err_console.print(f"[dim]summarizing {which}/{total}[/dim]")
+    docs = [_read(document, p, run) for p in inputs]  # every input read before any work: a bad one fails first
+    backend = _backend(run, sampling, attention, document, remote)
+    request = jobs.summary_request(length, focus)
+    out = ResultWriter(run, backend, [request] * len(docs), [p[0] for p in inputs] if each else None)
+    jobs.summarize(backend, docs, length, focus, max_new_tokens, strategy, section_tokens, summary, out.result,
+                   out.on_text, document.results())
 
 
 @command
@@ -581,41 +446,12 @@ def chat(
     With IndexPool (the default) a conversation can grow to 128K tokens; with dense attention the oldest exchanges
     are dropped when it outgrows the model's context. With PATHS, the conversation is about those documents: they
     are read once (or restored from the document cache) and every answer cites its sources."""
-    from .jobs import (DOCUMENT_MARK, PROBE_QUESTION, DocumentTokens, document_prompt, evidence_baseline,
-                       read_document, run_request, session_identity)
+    from .local import Conversation
 
     if paths and "-" in paths:
         raise typer.BadParameter("chat reads its messages from stdin, so a document cannot come from stdin too")
-    doc = document.load(paths) if paths else None
-    sampler = sampling.sampler()
-    loaded = _load(run)
-    tok = loaded.tokenizer
-    base = [{"role": "system", "content": system}] if system else []
-    if doc is None:
-        session = open_session(loaded, attention, None)
-    else:
-        doc_tokens = DocumentTokens.encode(tok, doc)
-        base += [{"role": "user", "content": f"{DOCUMENT_MARK}\nThis is the document we will talk about."},
-                 {"role": "assistant", "content": "I have read it. What would you like to know?"}]
-        prompt = document_prompt(tok, doc_tokens, base, attention.kpool)
-        session = open_session(loaded, attention, len(prompt.ids) + DOCUMENT_CHAT_TOKENS, auto="indexpool")
-        identity, doc_cache = session_identity(loaded, session, attention), document.cache()
-        description = f"{', '.join(paths)} ({len(doc_tokens.ids):,} tokens)"
-        with prefill_progress(prompt.reusable, enabled=run.progress) as on_progress:
-            read_document(session, prompt, identity, doc_cache, description, lambda m: _warn(m, run), on_progress)
-        probe = base + [{"role": "user", "content": PROBE_QUESTION}]
-        baseline = evidence_baseline(session, tok, doc_tokens, prompt, probe, identity, doc_cache, description,
-                                     lambda m: _warn(m, run))
-
-    def encode(conversation):
-        if doc is None:
-            return tok.encode_chat(conversation)
-        return document_prompt(tok, doc_tokens, conversation, attention.kpool)
-
-    def length(encoded) -> int:
-        return len(encoded if doc is None else encoded.ids)
-
-    messages = list(base)
+    doc = _read(document, paths, run) if paths else None
+    conversation = Conversation(_local(run, sampling, attention, document), doc, system)
     interactive = sys.stdin.isatty()
     while True:
         if interactive:
@@ -629,30 +465,17 @@ def chat(
         if line in ("/exit", "/quit"):
             break
         if line == "/reset":
-            messages = list(base)
+            conversation.reset()
             continue
-        messages.append({"role": "user", "content": line})
-        encoded = encode(messages)
-        # Drop the oldest exchanges (never the document) when the conversation no longer fits, keeping room for
-        # the reply.
-        while length(encoded) + max_new_tokens > session.max_length and len(messages) > len(base) + 1:
-            del messages[len(base) : len(base) + 2]
-            encoded = encode(messages)
-        if length(encoded) >= session.max_length:
-            raise InputError(f"the message has {length(encoded)} tokens; the model's context is {session.max_length}")
-        budget = min(max_new_tokens, session.max_length - length(encoded))
-        if doc is None:
-            reply, stats = _stream(session, tok, encoded, sampler, budget, run.json_out, quiet=True)
-            record = {"text": reply, "model": loaded.name, **_stats_json(stats)}
+        reply = conversation.say(line, max_new_tokens, None if run.json_out else _write_stdout)
+        name = conversation.backend.name
+        if reply.result is None:
+            record = {"text": reply.text, "model": name, **_stats_json(reply.stats)}
         else:
-            result = run_request(session, tok, encoded, doc, sampler, budget, None if run.json_out else _write_stdout,
-                                 True, 0.0, baseline=baseline)
-            reply = result.text
-            record = {"model": loaded.name, **result.to_json(), "fed_tokens": session.last_fed_tokens}
-            if not run.json_out and result.sources:
-                sys.stdout.write(("" if reply.endswith("\n") else "\n") + "Sources: "
-                                 + "; ".join(s["cite"] for s in result.sources))
-        messages.append({"role": "assistant", "content": reply})
+            record = {"model": name, **reply.result.to_json(), "fed_tokens": reply.fed_tokens}
+            if not run.json_out and reply.result.sources:
+                sys.stdout.write(("" if reply.text.endswith("\n") else "\n") + "Sources: "
+                                 + "; ".join(s["cite"] for s in reply.result.sources))
         if run.json_out:
             print(json.dumps(record, ensure_ascii=False), flush=True)
         else:
@@ -692,7 +515,7 @@ def cache_clear(cache_dir: CacheDirOpt = None):
 
     cache = TensorCache(cache_directory(cache_dir))
     freed = cache.clear()
-    for kept in (cache.directory / REMOTE_RESULTS).glob("*.json"):
+    for kept in (cache.directory / RESULTS).glob("*.json"):
         freed += kept.stat().st_size
         kept.unlink()
     err_console.print(f"freed {freed / 2**20:.1f} MiB in {cache.directory}", markup=False)
@@ -866,8 +689,6 @@ def _indexpool_bytes(loaded) -> dict:
     from indexpool.model.indexpool_cache import IndexPoolCache
 
     from indexpool.model.sessions import default_indexer, segment_indexer
-
-    from .attention import calibrating
 
     options = AttentionChoice().options()
     indexer, for_segments = default_indexer(options, loaded, calibrating), segment_indexer(options, loaded)

@@ -9,7 +9,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from indexpool.model import sessions
 from indexpool.model.indexpool_cache import IndexPoolConfig
 from indexpool.model.sessions import SessionOptions
 
@@ -49,13 +48,3 @@ attention_options = option_group(AttentionChoice, "attention")
 def calibrating():
     """The spinner shown while the index pruning is calibrated (once per model)."""
     return err_console.status("calibrating the index pruning (once per model)", spinner="dots")
-
-
-def open_session(loaded, choice: AttentionChoice, needed_tokens: int | None, auto: str = "fit"):
-    """`sessions.open_session` with the command line's options and progress display."""
-    return sessions.open_session(loaded, choice.options(), needed_tokens, auto, calibrating)
-
-
-def speculative_session(loaded, choice: AttentionChoice, needed_tokens: int, sampler):
-    """`complete --speculative`: `sessions.speculative_session` at the sampler's temperature."""
-    return sessions.speculative_session(loaded, choice.options(), needed_tokens, sampler.params.temperature)

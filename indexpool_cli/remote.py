@@ -1,4 +1,4 @@
-"""The document jobs on an OpenAI-compatible server (vLLM, SGLang, llama.cpp's server) instead of the local engine.
+"""The jobs' `Backend` on an OpenAI-compatible server (vLLM, SGLang, llama.cpp's server) instead of the local engine.
 
 Ingestion and the prompts stay ours: each request is the messages the local engine reads (`jobs.request_messages`:
 the document's text, then the request, as the user's turn), sent to `/v1/chat/completions` with streaming; the
@@ -8,23 +8,20 @@ connection error or a busy answer (429, 502, 503, 504), and a request that fails
 
 Context budgeting: the server's context length comes from `--context-length`, else `/v1/models` (vLLM and SGLang
 report `max_model_len`), else llama.cpp's `/props`, else from the server's own refusal of a request that was too
-long. A document that fits is read in a single pass; one that does not is read hierarchically: sections that fit
-are answered concurrently, then their answers together (in more levels when even those do not fit). Each result's
-notes say which strategy ran. A remote server gives no attention evidence: an answer's sources are the parts of the
-document whose wording it repeats (`matched_sources`).
+long. A document that fits is read in a single pass; one that does not is read in sections by the jobs
+(`jobs.answer_in_sections`), each section's request sent concurrently. Each result's notes say which strategy ran.
+A remote server gives no attention evidence: an answer's sources are the parts of the document holding the
+question's and the answer's words (`jobs.rank_sources`).
 
-Results are kept (`ResultCache`, under the document cache's directory) when the request is reproducible (greedy or
-seeded): the same request on the same document, server, model and sampling is answered from it without a call.
+Results are worth keeping (`jobs.ResultCache`) when the request is reproducible (greedy or seeded): the same
+request on the same document, server, model and sampling is answered from the cache without a call.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import http.client
-import os
-import tempfile
 import json
 import math
 import re
@@ -33,17 +30,15 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Annotated, Callable, Iterator, Optional
+from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
-import typer
+from indexpool.model.errors import InputError, SettingsError
+from .ingest import Document
+from .jobs import (DOCUMENT_MARK, ContextTooLong, JobResult, OnResult, OnText, plain_request, rank_sources,
+                   request_messages, request_question)
+from .retrieval import LexicalIndex
 
-from .console import InputError
-from .ingest import Document, Part
-from .jobs import DOCUMENT_MARK, MAX_SOURCES, SOURCE_SHARE, JobResult, plain_request, request_messages, split_sections
-
-BACKENDS = ("local", "openai")
-JOB_KINDS = {"ask": "Answer from", "summarize": "Summary of"}  # kind -> label of a section's result in a later level
 CHARS_PER_TOKEN = 3.0  # when the server cannot count: fewer characters than English prose has per token, to over-count
 COUNT_MARGIN = 1.1  # on the document's measured tokens per character, applied to a piece of it
 TEMPLATE_TOKENS = 64  # reserved for the server's chat template around the user message, which we cannot see
@@ -69,15 +64,6 @@ class RemoteError(Exception):
         self.results = results or []
 
 
-class ContextTooLong(InputError):
-    """A request does not fit the server's context (exit code 3); `limit` is that context when the server said it."""
-
-    def __init__(self, message: str, limit: int | None = None):
-        super().__init__(message)
-        self.limit = limit
-        self.results: list[JobResult | None] = []
-
-
 class _Retry(Exception):
     """A failure worth another try: a connection error, or a busy server. `connection` marks the former."""
 
@@ -93,28 +79,6 @@ class _EmptyStream(Exception):
 
 class _Cancelled(Exception):
     """The job was abandoned (Ctrl-C): a worker stops quietly."""
-
-
-@dataclass
-class RemoteChoice:
-    backend: Annotated[str, typer.Option("--backend", help="local (the model runs here) or openai (send the work to an OpenAI-compatible server: vLLM, SGLang, llama.cpp).")] = "local"
-    base_url: Annotated[Optional[str], typer.Option("--base-url", envvar="INDEXPOOL_BASE_URL", help="--backend openai: the server's API root, e.g. http://localhost:8000/v1.")] = None
-    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar=["INDEXPOOL_API_KEY", "OPENAI_API_KEY"], show_default=False, help="--backend openai: the server's API key.")] = None
-    model_name: Annotated[Optional[str], typer.Option("--model-name", help="--backend openai: the served model to use (default: the one the server lists first).")] = None
-    max_concurrency: Annotated[int, typer.Option("--max-concurrency", min=1, help="--backend openai: most requests in flight at once.")] = 4
-    timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="--backend openai: seconds to wait for the server's next bytes before giving up on a request.")] = 600.0
-    retries: Annotated[int, typer.Option("--retries", min=0, help="--backend openai: retries of a request after a connection error or a busy server (429/503), with backoff.")] = 3
-    context_length: Annotated[Optional[int], typer.Option("--context-length", min=1, help="--backend openai: the server's context in tokens, where it does not report it (vLLM and SGLang do).")] = None
-
-    def check(self) -> None:
-        """Usage errors (exit 2) before anything is sent."""
-        if self.backend not in BACKENDS:
-            raise typer.BadParameter(f"--backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
-        if self.backend == "openai" and not self.base_url:
-            raise typer.BadParameter("--backend openai needs --base-url (or INDEXPOOL_BASE_URL), e.g. "
-                                     "http://localhost:8000/v1")
-        if self.base_url:
-            ServerAddress.parse(self.base_url)
 
 
 @dataclass(frozen=True)
@@ -133,7 +97,7 @@ class ServerAddress:
         except ValueError:
             port = -1
         if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.query:
-            raise typer.BadParameter(f"--base-url {url!r} is not an http(s) URL such as http://localhost:8000/v1")
+            raise SettingsError(f"--base-url {url!r} is not an http(s) URL such as http://localhost:8000/v1")
         api = parts.path.rstrip("/") or "/v1"  # a bare host:port means the usual /v1
         root = api[: -len("/v1")] if api.endswith("/v1") else api
         https = parts.scheme == "https"
@@ -412,18 +376,18 @@ class ServerModel:
     context_source: str  # where the context came from, for the notes
 
 
-def find_model(client: OpenAIClient, remote: RemoteChoice) -> ServerModel:
+def find_model(client: OpenAIClient, model_name: str | None, context_length: int | None) -> ServerModel:
     """The model to use and its context: checks the name against the server's list."""
     models = client.models()
     names = [m["id"] for m in models]
     if not names:
         raise RemoteError(f"the server at {client.address} lists no model")
-    name = remote.model_name or names[0]
+    name = model_name or names[0]
     if name not in names:
         raise InputError(f"the server at {client.address} has no model {name!r}; it serves "
                          f"{', '.join(repr(n) for n in names[:5])} (--model-name)")
-    if remote.context_length:
-        return ServerModel(name, remote.context_length, "--context-length")
+    if context_length:
+        return ServerModel(name, context_length, "--context-length")
     entry = models[names.index(name)]
     for key in ("max_model_len", "context_length", "context_window", "max_context_length"):
         if isinstance(entry.get(key), int):
@@ -436,50 +400,151 @@ def find_model(client: OpenAIClient, remote: RemoteChoice) -> ServerModel:
     return ServerModel(name, None, "")
 
 
-class RemoteJob:
-    """The requests of one document job on one server: single pass when the document fits, else hierarchical."""
+class OpenAIBackend:
+    """The jobs' `Backend` on an OpenAI-compatible server at `base_url` (its API root, e.g.
+    http://localhost:8000/v1). Up to `max_concurrency` requests in flight; `timeout`: seconds to wait for the
+    server's next bytes; `retries` after a connection error or a busy server; `context_length` where the server does
+    not report it; `sampling`: the request's sampling fields (`sampling_fields`). The server is first asked when a
+    job needs it."""
 
-    def __init__(self, client: OpenAIClient, model: ServerModel, document: Document, max_new_tokens: int,
-                 sampling: dict, kind: str, max_concurrency: int, results: ResultCache | None = None,
-                 server: str = ""):
-        if kind not in JOB_KINDS:
-            raise ValueError(f"kind must be one of {', '.join(JOB_KINDS)}, not {kind!r}")
-        self.client = client
-        self.model = model
-        self.document = document
-        self.max_new_tokens = max_new_tokens
+    def __init__(self, base_url: str, sampling: dict, api_key: str | None = None, model_name: str | None = None,
+                 max_concurrency: int = 4, timeout: float = 600.0, retries: int = 3, context_length: int | None = None):
+        self.client = OpenAIClient(ServerAddress.parse(base_url), api_key, timeout, retries)
+        self.base_url = base_url
         self.sampling = sampling
-        # Only a reproducible request (greedy, or seeded) is answered from the result cache.
-        self.results = results if sampling.get("temperature") == 0 or sampling.get("seed") is not None else None
-        self.identity = {"server": server, "model": model.name, "kind": kind, "max_new_tokens": max_new_tokens,
-                         "sampling": sampling, "document": hashlib.sha256(document.text.encode()).hexdigest()}
-        self.label = JOB_KINDS[kind]
-        self.calls = ThreadPoolExecutor(max_concurrency, thread_name_prefix="indexpool-remote")
+        self.model_name = model_name
+        self.context_length = context_length
         self.max_concurrency = max_concurrency
+        self._model: ServerModel | None = None
+        self._counted: dict[str, int] = {}  # a document's tokens (hash of its text -> count)
+        self.tokens_per_char = 1 / CHARS_PER_TOKEN
+        self.counted_by = "estimated"
         self._learn = threading.Lock()
-        text = document.text
-        counted = client.count_tokens(model.name, text)
-        self.document_tokens = counted if counted is not None else math.ceil(len(text) / CHARS_PER_TOKEN)
-        self.tokens_per_char = (COUNT_MARGIN * counted / len(text)) if counted and text else 1 / CHARS_PER_TOKEN
-        self.counted_by = "counted by the server" if counted is not None else "estimated"
 
-    def estimate(self, text: str) -> int:
+    @property
+    def model(self) -> ServerModel:
+        if self._model is None:
+            self._model = find_model(self.client, self.model_name, self.context_length)
+        return self._model
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    def identity(self) -> dict:
+        return {"server": self.base_url, "model": self.model.name, "context": self.model.context,
+                "sampling": self.sampling}
+
+    def keeps_results(self) -> bool:
+        return self.sampling.get("temperature") == 0 or self.sampling.get("seed") is not None
+
+    def extracts(self) -> bool:
+        return False  # a server's model writes its answers
+
+    def document_tokens(self, document: Document) -> int:
+        """The document's tokens by the server's tokenizer (estimated where it cannot count); its tokens per
+        character then estimate the pieces of it (`count_tokens`)."""
+        text = document.text
+        key = hashlib.sha256(text.encode()).hexdigest()
+        if key not in self._counted:
+            counted = self.client.count_tokens(self.model.name, text)
+            if counted is not None and text:
+                self.tokens_per_char = COUNT_MARGIN * counted / len(text)
+                self.counted_by = "counted by the server"
+            self._counted[key] = counted if counted is not None else math.ceil(len(text) / CHARS_PER_TOKEN)
+        return self._counted[key]
+
+    def count_tokens(self, text: str) -> int:
         return math.ceil(len(text) * self.tokens_per_char)
 
-    def send(self, document_text: str, request: str) -> Future:
+    def fits(self, document: Document, request: str, max_new_tokens: int) -> bool:
+        context = self.model.context
+        return context is None or (self.document_tokens(document) + self.count_tokens(request) + TEMPLATE_TOKENS
+                                   + max_new_tokens <= context)
+
+    reads_whole = fits  # the server's context is all one pass reads
+
+    def section_budget(self, request: str, max_new_tokens: int) -> int:
+        context = self.model.context
+        request_tokens = self.count_tokens(request)
+        budget = context - max_new_tokens - TEMPLATE_TOKENS - request_tokens
+        if budget < 2 * (max_new_tokens + NOTE_HEADER_TOKENS):  # two answers must fit, or no level shrinks
+            most = max(0, (context - TEMPLATE_TOKENS - request_tokens - 2 * NOTE_HEADER_TOKENS) // 3)
+            raise ContextTooLong(f"the server's context of {context:,} tokens is too small to read the document in "
+                                 f"sections with --max-new-tokens {max_new_tokens}: use at most {most}, or serve the "
+                                 "model with a longer context", context)
+        return budget
+
+    def context_note(self, document_tokens: int) -> str:
+        model = self.model
+        if model.context is None:
+            return (f"the document's {document_tokens:,} tokens ({self.counted_by}) fit the server's context (it "
+                    "does not report its length)")
+        fit = "fit" if document_tokens <= model.context else "do not fit"
+        return (f"the document's {document_tokens:,} tokens ({self.counted_by}) {fit} the server's context of "
+                f"{model.context:,} ({model.context_source})")
+
+    def send(self, document_text: str, request: str, max_new_tokens: int, calls: ThreadPoolExecutor) -> Future:
         """One request on the calls pool: the messages the local engine reads (`jobs.request_messages`), the
         document's text in its place (the server quotes nothing: `jobs.plain_request`)."""
         messages = [{**message, "content": message["content"].replace(DOCUMENT_MARK, document_text)}
                     for message in request_messages(plain_request(request))]
-        return self.calls.submit(self.client.chat, self.model.name, messages, self.max_new_tokens, self.sampling)
+        return calls.submit(self.client.chat, self.model.name, messages, max_new_tokens, self.sampling)
 
-    def run(self, requests: list[str], on_result: Callable[[int, JobResult], None]) -> list[JobResult]:
-        results: list[JobResult | None] = [None] * len(requests)
+    def answer(self, document: Document, requests: list[str], max_new_tokens: int, extract: bool,
+               on_result: OnResult, on_text: OnText | None = None) -> list[JobResult]:
+        """The requests sent concurrently, each with the whole document; on_result gets each result in request
+        order as soon as it and those before it are done (nothing is streamed). When some fail, the others still
+        complete and reach on_result, then the first failure is raised (RemoteError: exit 1; InputError,
+        ContextTooLong among them: exit 3) with `.results` (None where failed). A refusal that names the server's
+        context teaches it (ContextTooLong with its `limit`: the jobs read the document in sections)."""
+        index = LexicalIndex.of_parts([part.text for part in document.parts])
+        document_tokens = self.document_tokens(document)
+
+        def one(request: str, calls: ThreadPoolExecutor) -> JobResult:
+            try:
+                done = self.send(document.text, request, max_new_tokens, calls).result()
+            except ContextTooLong as e:
+                if e.limit is None:
+                    raise ContextTooLong(f"{e}; the server does not say its context length: pass it with "
+                                         "--context-length to read the document in sections") from None
+                with self._learn:
+                    self.model.context = min(e.limit, self.model.context or e.limit)
+                    self.model.context_source = "the server's refusal of the whole document"
+                raise
+            result = JobResult(done.text, prompt_tokens=done.prompt_tokens or document_tokens + self.count_tokens(request),
+                               document_tokens=document_tokens, new_tokens=done.completion_tokens,
+                               read_seconds=done.first_seconds, answer_seconds=done.seconds - done.first_seconds,
+                               stop_reason=STOP_REASONS.get(done.finish_reason, done.finish_reason),
+                               notes=[f"single pass: {self.context_note(document_tokens)}", SOURCES_NOTE])
+            result.sources = rank_sources(document, index, request_question(request), done.text)
+            return result
+
+        return self.run([lambda calls, r=r: one(r, calls) for r in requests], on_result)
+
+    def answer_each(self, documents: list[Document], request: str, max_new_tokens: int,
+                    what: str) -> list[JobResult]:
+        def one(document: Document, calls: ThreadPoolExecutor) -> JobResult:
+            done = self.send(document.text, request, max_new_tokens, calls).result()
+            result = JobResult(done.text, prompt_tokens=done.prompt_tokens or 0,
+                               document_tokens=self.count_tokens(document.text), new_tokens=done.completion_tokens,
+                               read_seconds=done.first_seconds, answer_seconds=done.seconds - done.first_seconds,
+                               stop_reason=STOP_REASONS.get(done.finish_reason, done.finish_reason),
+                               notes=[SOURCES_NOTE])
+            index = LexicalIndex.of_parts([part.text for part in document.parts])
+            result.sources = rank_sources(document, index, request_question(request), done.text)
+            return result
+
+        return self.run([lambda calls, d=d: one(d, calls) for d in documents], lambda i, r: None)
+
+    def run(self, jobs: list[Callable[[ThreadPoolExecutor], JobResult]], on_result: OnResult) -> list[JobResult]:
+        """Each job (given the calls pool), up to max_concurrency at once; results in order (see `answer`)."""
+        results: list[JobResult | None] = [None] * len(jobs)
         failures: list[Exception] = []
-        orchestrators = ThreadPoolExecutor(min(len(requests), self.max_concurrency),
-                                           thread_name_prefix="indexpool-job")
+        calls = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="indexpool-remote")
+        orchestrators = ThreadPoolExecutor(min(len(jobs), self.max_concurrency), thread_name_prefix="indexpool-job")
         try:
-            futures = [orchestrators.submit(self.answer_or_recall, request) for request in requests]
+            futures = [orchestrators.submit(job, calls) for job in jobs]
             for i, future in enumerate(futures):  # in order, each as soon as it and those before it are done
                 try:
                     results[i] = future.result()
@@ -492,134 +557,18 @@ class RemoteJob:
             raise
         finally:
             orchestrators.shutdown(wait=True, cancel_futures=True)
-            self.calls.shutdown(wait=True, cancel_futures=True)
+            calls.shutdown(wait=True, cancel_futures=True)
         if failures:
             first = failures[0]
-            done = len(requests) - len(failures)
+            done = len(jobs) - len(failures)
             message = str(first) if not done else \
-                f"{first} ({len(failures)} of {len(requests)} requests failed; the other {done} completed)"
+                f"{first} ({len(failures)} of {len(jobs)} requests failed; the other {done} completed)"
             if isinstance(first, RemoteError):
                 raise RemoteError(message, results)
             error = ContextTooLong(message, first.limit) if isinstance(first, ContextTooLong) else InputError(message)
             error.results = results
             raise error
         return results  # type: ignore[return-value]  (no None left when nothing failed)
-
-    def answer_or_recall(self, request: str) -> JobResult:
-        """The request's result from the result cache, else from the server (then kept in the cache), with the
-        parts of the document its wording repeats as sources."""
-        key = cache_key({**self.identity, "request": request, "context": self.model.context})
-        if self.results is not None:
-            kept = self.results.get(key)
-            if kept is not None:
-                kept.cached = True
-                kept.notes.append("from the result cache: the same server, model, document, request and sampling "
-                                  "(--no-cache asks again)")
-                return kept
-        result = self.answer(request)
-        result.sources = matched_sources(result.text, self.document)
-        if self.results is not None:
-            self.results.put(key, result)
-        return result
-
-    def answer(self, request: str) -> JobResult:
-        context = self.model.context
-        request_tokens = self.estimate(request)
-        if context is None or self.document_tokens + request_tokens + TEMPLATE_TOKENS + self.max_new_tokens <= context:
-            try:
-                done = self.send(self.document.text, request).result()
-            except ContextTooLong as e:
-                if e.limit is None:
-                    raise ContextTooLong(f"{e}; the server does not say its context length: pass it with "
-                                         "--context-length to read the document in sections") from None
-                with self._learn:
-                    self.model.context = min(e.limit, self.model.context or e.limit)
-                    self.model.context_source = "the server's refusal of the whole document"
-                return self.hierarchical(request, request_tokens)
-            known = f"the server's context of {context:,} ({self.model.context_source})" if context else \
-                "the server's context (it does not report its length)"
-            return JobResult(done.text, prompt_tokens=done.prompt_tokens or self.document_tokens + request_tokens,
-                             document_tokens=self.document_tokens, new_tokens=done.completion_tokens,
-                             read_seconds=done.first_seconds, answer_seconds=done.seconds - done.first_seconds,
-                             stop_reason=STOP_REASONS.get(done.finish_reason, done.finish_reason),
-                             notes=[f"single pass: the document's {self.document_tokens:,} tokens ({self.counted_by}) "
-                                    f"fit {known}", SOURCES_NOTE])
-        return self.hierarchical(request, request_tokens)
-
-    def hierarchical(self, request: str, request_tokens: int) -> JobResult:
-        """Sections that fit are answered concurrently, then their answers together as a new document; levels are
-        added while the answers do not fit at once."""
-        context = self.model.context
-        assert context is not None
-        budget = context - self.max_new_tokens - TEMPLATE_TOKENS - request_tokens
-        if budget < 2 * (self.max_new_tokens + NOTE_HEADER_TOKENS):  # two answers must fit, or no level shrinks
-            most = max(0, (context - TEMPLATE_TOKENS - request_tokens - 2 * NOTE_HEADER_TOKENS) // 3)
-            raise ContextTooLong(f"the document ({self.document_tokens:,} tokens) does not fit the server's context "
-                                 f"of {context:,} tokens, which is too small to read it in sections with "
-                                 f"--max-new-tokens {self.max_new_tokens}: use at most {most}, or serve the model "
-                                 "with a longer context", context)
-        t0 = time.perf_counter()
-        pieces = Document(self.fitted_parts(budget), [], [])
-        sections = split_sections(pieces, self.estimate, budget)
-        notes, levels, calls = self.answer_sections(sections, request), 1, len(sections)
-        while self.estimate(notes.text) > budget:
-            groups = split_sections(notes, self.estimate, budget)
-            if len(groups) == len(notes.parts):
-                raise ContextTooLong(f"the answers of the document's sections do not fit the server's context of "
-                                     f"{context:,} tokens, even two at a time; lower --max-new-tokens", context)
-            notes, levels, calls = self.answer_sections(groups, request), levels + 1, calls + len(groups)
-        read_seconds = time.perf_counter() - t0
-        done = self.send(notes.text, request).result()
-        return JobResult(done.text, prompt_tokens=done.prompt_tokens or self.estimate(notes.text) + request_tokens,
-                         document_tokens=self.document_tokens, new_tokens=done.completion_tokens,
-                         read_seconds=read_seconds, answer_seconds=done.seconds,
-                         stop_reason=STOP_REASONS.get(done.finish_reason, done.finish_reason),
-                         notes=[f"hierarchical: the document's {self.document_tokens:,} tokens ({self.counted_by}) "
-                                f"do not fit the server's context of {context:,} ({self.model.context_source}); "
-                                f"{len(sections)} sections were answered separately, then their answers together "
-                                f"({levels} level{'s' if levels > 1 else ''}, {calls + 1} requests)", SOURCES_NOTE])
-
-    def answer_sections(self, sections: list[Document], request: str) -> Document:
-        """Each section's answer, labelled with the span it covers, as the parts of the next level's document."""
-        futures = [self.send(section.text, request) for section in sections]
-        parts = []
-        for section, future in zip(sections, futures):
-            first, last = section.parts[0].cite, section.parts[-1].cite
-            span = first if first == last else f"{first} to {last}"
-            parts.append(Part(f"[{self.label} {span}]\n{future.result().text.strip()}\n\n", "", span))
-        return Document(parts, [], [])
-
-    def fitted_parts(self, budget: int) -> list[Part]:
-        """The document's parts, a part longer than `budget` tokens cut into pieces that fit (at line ends where
-        there are some), each keeping the part's cite."""
-        most_chars = max(1, int(budget / self.tokens_per_char))
-        parts = []
-        for part in self.document.parts:
-            text = part.text
-            while self.estimate(text) > budget:
-                cut = text.rfind("\n", most_chars // 2, most_chars) + 1 or most_chars
-                parts.append(dataclasses.replace(part, text=text[:cut]))
-                text = text[cut:]
-            if text:
-                parts.append(dataclasses.replace(part, text=text))
-        return parts
-
-
-def run_remote_job(document: Document, requests: list[str], max_new_tokens: int, remote: RemoteChoice,
-                   sampling: dict, on_result: Callable[[int, JobResult], None], kind: str,
-                   results: ResultCache | None = None) -> list[JobResult]:
-    """Send the requests (from `jobs.ask_request` / `jobs.summary_request`) on `document` to the server, up to
-    --max-concurrency at once; `on_result(i, result)` gets each result in request order as soon as it and those
-    before it are done. sampling: `sampling_fields`; results: where reproducible results are kept and found
-    again (None: every request goes to the server). When some fail, the others still complete and reach on_result, then the first failure is
-    raised (RemoteError: exit 1; InputError, ContextTooLong among them: exit 3) with `.results` (None where failed)."""
-    remote.check()
-    if remote.backend != "openai":
-        raise ValueError("run_remote_job is for --backend openai")
-    client = OpenAIClient(ServerAddress.parse(remote.base_url), remote.api_key, remote.timeout, remote.retries)
-    job = RemoteJob(client, find_model(client, remote), document, max_new_tokens, sampling, kind,
-                    remote.max_concurrency, results, remote.base_url)
-    return job.run(requests, on_result)
 
 
 def sampling_fields(temperature: float, top_p: float, top_k: int, seed: int | None) -> dict:
@@ -631,68 +580,3 @@ def sampling_fields(temperature: float, top_p: float, top_k: int, seed: int | No
     if seed is not None:
         fields["seed"] = seed
     return fields
-
-
-WORD = re.compile(r"\w+")
-
-
-def matched_sources(text: str, document: Document) -> list[dict]:
-    """The parts whose wording `text` repeats most: each part scores the answer's word trigrams found in it, plus
-    its distinctive words (with a digit, or of 7 letters or more) found in it; parts with at least SOURCE_SHARE of
-    the best score are cited, best first, at most MAX_SOURCES."""
-    words = [w.lower() for w in WORD.findall(text)]
-    trigrams = set(zip(words, words[1:], words[2:]))
-    distinctive = {w for w in words if len(w) >= 7 or any(c.isdigit() for c in w)}
-    scores = []
-    for part in document.parts:
-        part_words = [w.lower() for w in WORD.findall(part.text)]
-        scores.append(len(trigrams & set(zip(part_words, part_words[1:], part_words[2:])))
-                      + len(distinctive & set(part_words)))
-    total, best = sum(scores), max(scores, default=0)
-    if not best:
-        return []
-    order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
-    return [{"cite": document.parts[i].cite, "source": document.parts[i].source, "share": round(scores[i] / total, 4)}
-            for i in order[:MAX_SOURCES] if scores[i] >= SOURCE_SHARE * best]
-
-
-def cache_key(identity: dict) -> str:
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
-
-
-class ResultCache:
-    """Results of remote requests, one JSON file each (`<key>.json`, written to a temporary name and renamed); an
-    unreadable file counts as absent and is removed."""
-
-    def __init__(self, directory):
-        from pathlib import Path
-
-        self.directory = Path(directory)
-
-    def get(self, key: str) -> JobResult | None:
-        path = self.directory / f"{key}.json"
-        try:
-            data = json.loads(path.read_text())
-            tokens, timings = data["tokens"], data["timings"]
-            return JobResult(data["text"], sources=data["sources"], prompt_tokens=tokens["prompt"],
-                             document_tokens=tokens["document"], new_tokens=tokens["new"],
-                             read_seconds=timings["read_seconds"], answer_seconds=timings["answer_seconds"],
-                             stop_reason=data["stop_reason"], notes=data["notes"])
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError):
-            path.unlink(missing_ok=True)
-            return None
-
-    def put(self, key: str, result: JobResult) -> None:
-        tmp = None
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(result.to_json(), f)
-            os.replace(tmp, self.directory / f"{key}.json")
-        except OSError:  # no room or no permission: the result was shown, only not kept
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)

@@ -1,5 +1,5 @@
 """Lexical retrieval over a document's parts and passages: which pages, line ranges or messages a question's words
-point to. `ask` combines it with the attention evidence of the model's own reading (jobs.py): the words find the
+point to. `ask` combines it with the attention evidence of the model's own reading (local.py): the words find the
 place in manuals, codebases and logs full of look-alike names, where attention alone cited an index page; the
 attention tells apart places the words score alike.
 
@@ -22,6 +22,12 @@ BM25_B = 0.75
 NAVIGATIONAL_WEIGHT = 0.2  # a navigational part's share of its lexical score
 NAVIGATIONAL_MIN_LINES = 6
 NAVIGATIONAL_SHARE = 0.5  # of its non-empty lines ending in a page number or a dotted leader
+# A place's score: its lexical score plus this weight times its attention evidence, each scaled to the best place's
+# (`combined`). The words find the place; the reading tells apart places the words score alike. On the
+# real-document set (benchmarks/doc_qa.py) the words alone put a passage holding the answer first for 51 of 72
+# questions, attention alone 14, words, attention and the model's likelihood of the question together 53 (its part
+# the right first source: 61, 22 and 66; benchmarks/passage_choice.py, docs/benchmarks.md).
+ATTENTION_WEIGHT = 0.1
 
 _WORD = re.compile(r"[A-Za-z0-9_]+(?:[.:][A-Za-z0-9_]+)*")
 _SUBWORD = re.compile(r"[A-Z]+(?![a-z])[0-9]*|[A-Z]?[a-z]+[0-9]*|[0-9]+")
@@ -91,6 +97,16 @@ class BM25:
         return out
 
 
+def combined(lexical: list[float], attention: list[float], attention_weight: float = ATTENTION_WEIGHT) -> list[float]:
+    """Lexical scores plus `attention_weight` times attention evidence, each scaled to its best."""
+
+    def scaled(values: list[float]) -> list[float]:
+        best = max(values, default=0.0)
+        return [v / best for v in values] if best > 0 else [0.0] * len(values)
+
+    return [a + attention_weight * b for a, b in zip(scaled(lexical), scaled(attention))]
+
+
 @dataclass
 class Passage:
     part: int  # index of its part in the document
@@ -126,6 +142,12 @@ class LexicalIndex:
                 start += self.PASSAGE_STRIDE
         self.passage_bm25 = BM25([terms("\n".join(text for _, text in lines[p.first_line : p.last_line]))
                                   for p in self.passages])
+
+    @classmethod
+    def of_parts(cls, part_texts: list[str]) -> "LexicalIndex":
+        """The index of parts given as text, split at their line breaks."""
+        lines = [(i, line) for i, text in enumerate(part_texts) for line in text.splitlines(keepends=True)]
+        return cls(part_texts, lines)
 
     def part_scores(self, text: str) -> list[float]:
         """Each part's BM25 score for `text`'s terms, navigational parts scaled down."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from indexpool.kernels.cpu_attention import native_attention_takes
-from indexpool.jobs import MAX_BATCH, section_batch_size
+from indexpool.local import MAX_BATCH, section_batch_size
 from indexpool.model.generate import GenerationStats, Sampler, SamplingParams, Session
 from indexpool.model.indexpool_cache import IndexPoolConfig
 from indexpool.model.llama import BatchKVCache

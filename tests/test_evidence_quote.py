@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from indexpool.ingest import Document, Part
-from indexpool.jobs import (QUOTE_CLOSE, QUOTE_OPEN, QUOTE_TOKENS, DocumentTokens, ask_request, document_prompt,
-                                evidence_quote, plain_request, request_messages, with_quote)
+from indexpool.jobs import ask_request, plain_request, request_messages
+from indexpool.local import (QUOTE_CLOSE, QUOTE_OPEN, QUOTE_TOKENS, DocumentTokens, document_prompt, evidence_quote, with_quote)
 from indexpool.model.indexpool_cache import AttentionEvidence
 
 LINES = [f"Line {i}: the {word} of the harbour is described here in a few plain words." for i, word in

@@ -26,9 +26,10 @@ import pytest
 
 from indexpool.console import InputError
 from indexpool.ingest import Document, Part, load_document
-from indexpool.jobs import DOCUMENT_MARK, JobResult, ask_request, plain_request, request_messages, summary_request
-from indexpool.remote import (ContextTooLong, OpenAIClient, RemoteChoice, RemoteError, ResultCache,
-                                  ServerAddress, matched_sources, run_remote_job, sampling_fields)
+from indexpool.jobs import (DOCUMENT_MARK, ContextTooLong, JobResult, ResultCache, answer_requests, ask_request,
+                            plain_request, rank_sources, request_messages, summary_request)
+from indexpool.remote import OpenAIBackend, OpenAIClient, RemoteError, ServerAddress, sampling_fields
+from indexpool.retrieval import LexicalIndex
 from doc_fixtures import write_planted_report
 from test_cli import assert_error, cli_env, indexpool, ok
 
@@ -133,16 +134,25 @@ def fact_cite(document: Document) -> str:
     return cite
 
 
-def remote(server: LlamaServer, **options) -> RemoteChoice:
-    return RemoteChoice(backend="openai", base_url=server.url, api_key=server.api_key, **options)
+GREEDY = sampling_fields(0.0, 1.0, 0, None)
 
 
-def run(document: Document, requests: list[str], choice: RemoteChoice, max_new_tokens: int = 24,
+def backend(url: str, sampling: dict = GREEDY, **options) -> OpenAIBackend:
+    return OpenAIBackend(url, sampling, **options)
+
+
+def remote(server: LlamaServer, **options) -> OpenAIBackend:
+    return backend(server.url, api_key=server.api_key, **options)
+
+
+def run(document: Document, requests: list[str], server: OpenAIBackend, max_new_tokens: int = 24,
         kind: str = "ask") -> tuple[list[JobResult], list[int]]:
-    """The job's results, and the request indexes in the order on_result saw them."""
+    """The job's results (as `indexpool ask` / `summarize` run them), and the request indexes in the order
+    on_result saw them."""
     seen: list[int] = []
-    results = run_remote_job(document, requests, max_new_tokens, choice, sampling_fields(0.0, 1.0, 0, None),
-                             lambda i, _: seen.append(i), kind)
+    label = {"ask": "Answer from", "summarize": "Summary of"}[kind]
+    results = answer_requests(server, document, requests, max_new_tokens, on_result=lambda i, _: seen.append(i),
+                              label=label)
     return results, seen
 
 
@@ -265,8 +275,8 @@ def test_a_server_killed_mid_run_gives_a_clean_error_and_keeps_completed_results
     t0 = time.monotonic()
     try:
         with pytest.raises(RemoteError) as caught:
-            run_remote_job(document, requests, 64, remote(doomed, max_concurrency=1, retries=2),
-                           sampling_fields(0.0, 1.0, 0, None), kill_after_first, "ask")
+            answer_requests(remote(doomed, max_concurrency=1, retries=2), document, requests, 64,
+                            on_result=kill_after_first)
     finally:
         doomed.stop()
     assert time.monotonic() - t0 < 60
@@ -283,7 +293,7 @@ def test_a_server_killed_mid_run_gives_a_clean_error_and_keeps_completed_results
 def test_an_unreachable_server_is_a_one_line_error(document):
     url = f"http://127.0.0.1:{free_port()}/v1"
     with pytest.raises(RemoteError) as caught:
-        run(document, [ask_request(QUESTION)], RemoteChoice(backend="openai", base_url=url, retries=0))
+        run(document, [ask_request(QUESTION)], backend(url, retries=0))
     assert str(caught.value) == (f"cannot reach the server at {url} (Connection refused); check --base-url and "
                                  "that the server is running")
 
@@ -302,9 +312,8 @@ def test_a_wrong_model_name_is_an_input_error_naming_the_served_model(server, do
 @pytest.mark.parametrize("key, expected", [("wrong-key", "the server refused the API key (401"),
                                            (None, "the server wants an API key (401")])
 def test_a_bad_or_missing_api_key_is_a_one_line_error(server, document, key, expected):
-    choice = RemoteChoice(backend="openai", base_url=server.url, api_key=key)
     with pytest.raises(RemoteError) as caught:
-        run(document, [ask_request(QUESTION)], choice)
+        run(document, [ask_request(QUESTION)], backend(server.url, api_key=key))
     assert str(caught.value).startswith(expected) and "--api-key" in str(caught.value)
 
 
@@ -441,8 +450,7 @@ def stub_server(request):
 
 @pytest.mark.parametrize("stub_server", [{"busy": 2}], indirect=True)
 def test_busy_answers_are_retried(stub_server, document):
-    (result,), _ = run(document, [ask_request(QUESTION)], RemoteChoice(backend="openai", base_url=stub_server.url,
-                                                                       retries=2))
+    (result,), _ = run(document, [ask_request(QUESTION)], backend(stub_server.url, retries=2))
     assert result.text == "ok" and stub_server.chats == 3
     assert "context of 4,096 (the server's /models)" in result.notes[0] and "estimated" in result.notes[0]
 
@@ -450,7 +458,7 @@ def test_busy_answers_are_retried(stub_server, document):
 @pytest.mark.parametrize("stub_server", [{"busy": 2}], indirect=True)
 def test_busy_answers_beyond_the_retries_are_an_error(stub_server, document):
     with pytest.raises(RemoteError) as caught:
-        run(document, [ask_request(QUESTION)], RemoteChoice(backend="openai", base_url=stub_server.url, retries=1))
+        run(document, [ask_request(QUESTION)], backend(stub_server.url, retries=1))
     assert str(caught.value) == ("the server answered 503 (server busy), after 1 retry; try again later or lower "
                                  "--max-concurrency")
     assert stub_server.chats == 2
@@ -460,7 +468,7 @@ def test_busy_answers_beyond_the_retries_are_an_error(stub_server, document):
 def test_a_silent_server_times_out(stub_server, document):
     t0 = time.monotonic()
     with pytest.raises(RemoteError) as caught:
-        run(document, [ask_request(QUESTION)], RemoteChoice(backend="openai", base_url=stub_server.url, timeout=0.5))
+        run(document, [ask_request(QUESTION)], backend(stub_server.url, timeout=0.5))
     assert str(caught.value) == f"the server at {stub_server.url} sent nothing for 0.5s (--timeout)"
     assert time.monotonic() - t0 < 2.5
 
@@ -491,14 +499,13 @@ def test_sampling_options_reach_the_server_and_reproducible_results_are_kept(doc
     is answered from the cache, without a call; a sampled one without a seed is asked again."""
     stub = RecordingStub()
     try:
-        choice = RemoteChoice(backend="openai", base_url=stub.url)
         results = ResultCache(tmp_path / "results")
         seen = []
         greedy = sampling_fields(0.0, 0.9, 20, 7)
 
         def ask(sampling):
-            return run_remote_job(document, [ask_request(QUESTION)], 16, choice, sampling, lambda i, r: seen.append(r),
-                                  "ask", results)[0]
+            return answer_requests(backend(stub.url, sampling), document, [ask_request(QUESTION)], 16,
+                                   on_result=lambda i, r: seen.append(r), results=results)[0]
 
         first = ask(greedy)
         assert {k: stub.bodies[0][k] for k in ("temperature", "top_p", "top_k", "seed")} == \
@@ -517,10 +524,14 @@ def test_sampling_options_reach_the_server_and_reproducible_results_are_kept(doc
         stub.close()
 
 
-def test_matched_sources_cite_the_parts_an_answer_repeats():
+def test_without_attention_evidence_sources_are_the_parts_holding_the_answer_s_words():
     parts = [Part("The harbour opens at six. Ships unload grain.", "a.txt", "a.txt:1-2"),
              Part("The access code of the glass tower is 41729.", "a.txt", "a.txt:3"),
              Part("Nothing here is about towers.", "a.txt", "a.txt:4")]
     document = Document(parts, [], [])
-    assert [s["cite"] for s in matched_sources("The access code is 41729.", document)] == ["a.txt:3"]
-    assert matched_sources("Completely unrelated words.", document) == []
+    index = LexicalIndex.of_parts([part.text for part in parts])
+    (source,) = rank_sources(document, index, None, "The access code is 41729.")
+    assert source["cite"] == "a.txt:3" and source["text"] == parts[1].text.strip()
+    assert rank_sources(document, index, None, "Completely unrelated words.") == []
+    # A question's words count with the answer's: "when" and "harbour" point to the first part.
+    assert rank_sources(document, index, "When does the harbour open?", "At six.")[0]["cite"] == "a.txt:1-2"

@@ -1,4 +1,4 @@
-"""Lexical retrieval (indexpool_cli/retrieval.py) and how `ask` uses it with the attention evidence (jobs.py): the
+"""Lexical retrieval (indexpool_cli/retrieval.py) and how `ask` uses it with the attention evidence (local.py): the
 passages quoted to the model, the sources cited first, their structured locations and texts."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from indexpool.ingest import Document, Part
-from indexpool.jobs import (QUOTE_PASSAGES, DocumentTokens, ask_request, document_prompt, passage_quote,
-                                rank_sources, request_messages, with_quote)
+from indexpool.jobs import ask_request, request_messages
+from indexpool.local import QUOTE_PASSAGES, DocumentTokens, document_prompt, passage_quote, with_quote
 from indexpool.retrieval import BM25, LexicalIndex, navigational, terms
 from indexpool.model.indexpool_cache import AttentionEvidence
 
@@ -78,6 +78,15 @@ def flat_evidence(prompt, on_part: int | None = None) -> tuple[AttentionEvidence
     return evidence, baseline
 
 
+def sources_of(tokenizer, document, prompt, evidence, baseline, answer: str, quote) -> list[dict]:
+    """The sources a result on the local engine cites (`local.job_result`, with `jobs.rank_sources`)."""
+    from indexpool.local import HeldDocument, job_result
+    from indexpool.model.generate import GenerationStats
+
+    held = HeldDocument(None, tokenizer, document, baseline=baseline)
+    return job_result(held, prompt, answer, GenerationStats(), 0.0, evidence, quote).sources
+
+
 def test_the_question_s_words_choose_the_quoted_passage(default_tokenizer):
     document, prompt = prompt_for(default_tokenizer, "Who is the lighthouse keeper?")
     assert prompt.question == "Who is the lighthouse keeper?"
@@ -86,8 +95,7 @@ def test_the_question_s_words_choose_the_quoted_passage(default_tokenizer):
     assert "Ilse Morrow" in quote.passages[0].text
     ids = with_quote(default_tokenizer, prompt, quote)
     assert "Ilse Morrow" in default_tokenizer.decode(ids[prompt.quote_at :])
-    sources = rank_sources(*flat_evidence(prompt)[:1], prompt, document, flat_evidence(prompt)[1],
-                           default_tokenizer, "Ilse Morrow.", quote)
+    sources = sources_of(default_tokenizer, document, prompt, *flat_evidence(prompt), "Ilse Morrow.", quote)
     assert sources[0]["cite"] == "book.pdf p. 2" and sources[0]["location"] == {"page": 2}
     assert "Ilse Morrow" in sources[0]["text"]
 
@@ -99,7 +107,7 @@ def test_attention_tells_apart_passages_the_words_score_alike(default_tokenizer)
         evidence, baseline = flat_evidence(prompt, on_part=part)
         quote = passage_quote(default_tokenizer, prompt, evidence, baseline)
         assert pier in quote.passages[0].text
-        sources = rank_sources(evidence, prompt, document, baseline, default_tokenizer, "", quote)
+        sources = sources_of(default_tokenizer, document, prompt, evidence, baseline, "", quote)
         assert sources[0]["location"] == {"page": part + 1}
 
 

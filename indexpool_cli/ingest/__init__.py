@@ -76,6 +76,7 @@ class Document:
     parts: list[Part]
     skipped: list[tuple[str, str]]  # (path, reason) for what a folder walk left out
     notes: list[str]  # what the user should know: pages without text, limits reached, options ignored
+    name: str = ""  # the inputs as the user gave them ("book.pdf", "notes/ a.txt"), for messages and cache listings
 
     @property
     def text(self) -> str:
@@ -96,7 +97,7 @@ def load_document(paths: Sequence[str], options: IngestOptions = IngestOptions()
 
         parse_page_ranges(options.pages)  # bad syntax fails before any input is read
 
-    document = Document(parts=[], skipped=[], notes=[])
+    document = Document(parts=[], skipped=[], notes=[], name=", ".join(paths))
     for path in paths:
         if path == "-":
             data = (stdin if stdin is not None else sys.stdin.buffer).read()
