@@ -90,7 +90,7 @@ class IndexPoolCapture(IndexFiller, QueryRecorder, IndexPoolCache):
     def __init__(self, model, length, query_positions, indexers: dict[str, tuple[object, torch.dtype]], reader,
                  schedule=None, topk=IndexPoolConfig.topk, segment_reader=None):
         super().__init__(model.config, IndexPoolConfig(kv_storage="bf16", schedule=schedule, topk=topk), reader, length,
-                         model.dtype, model.tok_embeddings.weight.device, segment_reader)
+                         model.dtype, model.device, segment_reader)
         self._init_recorder(model.config, query_positions, self.inv_freq.device)
         self._init_indexes(indexers, length, self.inv_freq.device)
 

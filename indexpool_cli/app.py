@@ -55,7 +55,7 @@ def command(fn):
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file or a Hugging Face model directory (default: SmolLM2-135M-Instruct).", envvar="INDEXPOOL_MODEL")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bf16 where the CPU has it, else fp32), bf16, fp16 or fp32.")]
-DecodeWeightsOpt = Annotated[str, typer.Option("--decode-weights", help="Weights for one-token decode steps on the CPU (a bf16 model, or an fp32 one where the C kernels build): auto (int4 for 4-bit files, else int8), int4, int8 or off (which also keeps an fp32 model's K/V cache in fp32; else it is bf16 where the C attention kernel runs).")]
+DecodeWeightsOpt = Annotated[str, typer.Option("--decode-weights", help="How the CPU holds the weights: gguf (a GGUF file's own blocks, memory-mapped, computed on in place: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; other types dequantized), int4 or int8 (a bf16 model, or an fp32 one where the C kernels build: dequantized weights plus quantized copies for decode steps), off (dequantized weights only; also keeps an fp32 model's K/V cache in fp32, else it is bf16 where the C attention kernel runs), or auto: gguf for GGUF models of 500M weights or more, else int4 for 4-bit files and int8 for others.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: one per physical core).", envvar="INDEXPOOL_THREADS")]
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens to generate.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object per result instead of streaming text.")]
@@ -532,7 +532,9 @@ def info(
     glm5_next's own cache) and the cache size at --tokens."""
     import torch
 
+    from indexpool.kernels import gguf_blocks
     from indexpool.kernels.cpu_attention import decode_attention_path, prefill_attention_path
+    from indexpool.model.gguf_weights import block_parts, weight_count, weight_formats
     from indexpool.model.quant import DecodeQuantLinear, decode_weights_path
 
     lengths = _token_counts(tokens)
@@ -544,13 +546,13 @@ def info(
         return
     loaded = _load(RunChoice(run.model, run.dtype, run.decode_weights, run.threads, run.json_out, quiet=True))
     cfg, m = loaded.config, loaded.model
-    params = sum(p.numel() for p in {id(p): p for p in m.parameters()}.values())
     facts = {
         "model": loaded.name,
         "source": str(loaded.source),
         "architecture": cfg.arch,
-        "parameters": params,
+        "parameters": weight_count(m),
         "file_bytes": loaded.file_bytes,
+        "weights": ", ".join(f"{kind} {_gib(size)}" for kind, size in weight_formats(m).items()),
         "dtype": str(m.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
     }
@@ -570,8 +572,10 @@ def info(
         "vocab_size": cfg.vocab_size,
         "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
         "kv_cache_bytes_per_token": cfg.kv_bytes_per_token(kv_dtype),
-        "decode_weights": "+".join(f"int{b}" for b in sorted({q.bits for q in m.modules() if isinstance(q, DecodeQuantLinear)})) or "same as dtype",
-        "decode_linear": decode_weights_path(m),
+        "decode_weights": ("the file's blocks, memory-mapped" if block_parts(m) else
+                           "+".join(f"int{b}" for b in sorted({q.bits for q in m.modules() if isinstance(q, DecodeQuantLinear)}))
+                           or "same as dtype"),
+        "decode_linear": gguf_blocks.path() if block_parts(m) else decode_weights_path(m),
         "decode_attention": decode_attention_path(next(m.parameters()).device, kv_dtype, cfg.head_dim),
         "decode_step": m.decode_step_path(),
         "prefill_attention": prefill_attention_path(next(m.parameters()).device, m.dtype, cfg.head_dim),

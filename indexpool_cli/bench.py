@@ -74,30 +74,36 @@ def _native_bf16() -> bool:
 
 
 def _ratios(results, contexts) -> dict:
+    """Our first run against the best transformers run, and against llama.cpp: {reference: {figure: ratio}}."""
     ours = next((r for r in results if r["engine"] == "indexpool" and "error" not in r), None)
-    refs = [r for r in results if r["engine"] == "transformers" and "error" not in r]
-    if not ours or not refs:
-        return {}
-    ratios = {"prefill": ours["prefill_tps"] / max(r["prefill_tps"] for r in refs)}
-    for c in contexts:
-        ratios[f"decode@{c}"] = ours["decode_tps"][str(c)] / max(r["decode_tps"][str(c)] for r in refs)
-    return {k: round(v, 2) for k, v in ratios.items()}
+    out = {}
+    for engine, label in (("transformers", "best transformers"), ("llama.cpp", "llama.cpp")):
+        refs = [r for r in results if r["engine"] == engine and "error" not in r]
+        if not ours or not refs:
+            continue
+        ratios = {"prefill": ours["prefill_tps"] / max(r["prefill_tps"] for r in refs)}
+        for c in contexts:
+            ratios[f"decode@{c}"] = ours["decode_tps"][str(c)] / max(r["decode_tps"][str(c)] for r in refs)
+        ratios["peak RSS"] = ours["peak_rss_mib"] / min(r["peak_rss_mib"] for r in refs)
+        out[label] = {k: round(v, 2) for k, v in ratios.items()}
+    return out
 
 
 def _table(report, contexts, prefill_length) -> str:
-    head = ["engine", "dtype", f"prefill@{prefill_length} tok/s"] + [f"decode@{c} tok/s" for c in contexts] + ["peak RSS MiB"]
+    head = ["engine", "dtype", "load s", f"prefill@{prefill_length} tok/s"] + [f"decode@{c} tok/s" for c in contexts] + ["peak RSS MiB"]
     rows = [head]
     for r in report["results"]:
         if "error" in r:
             rows.append([r["engine"], r["dtype"], r["error"]])
             continue
-        rows.append([r["engine"], r["dtype"], f"{r['prefill_tps']:.0f}"] + [f"{r['decode_tps'][str(c)]:.1f}" for c in contexts] + [f"{r['peak_rss_mib']:.0f}"])
+        rows.append([r["engine"], r["dtype"], f"{r['load_seconds']:.1f}", f"{r['prefill_tps']:.0f}"] + [f"{r['decode_tps'][str(c)]:.1f}" for c in contexts] + [f"{r['peak_rss_mib']:.0f}"])
     widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     if report["ratios"]:
         lines.append("")
-        lines.append("indexpool / best transformers: " + ", ".join(f"{k} {v:.2f}x" for k, v in report["ratios"].items()))
+    for reference, ratios in report["ratios"].items():
+        lines.append(f"indexpool / {reference}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     lines.append(f"(median of {report['repeats']} runs; model {report['model']})")
     return "\n".join(lines)
 
@@ -121,12 +127,15 @@ def _worker_indexpool(job):
     from indexpool.model.generate import Session
     from indexpool.model.runtime import load_engine
 
+    from indexpool.model.gguf_weights import block_parts
     from indexpool.model.quant import DecodeQuantLinear
 
     loaded = load_engine(job["model"], job["dtype"], decode_weights=job.get("decode_weights", "auto"))
     model, vocab = loaded.model, loaded.config.vocab_size
     bits = sorted({m.bits for m in model.modules() if isinstance(m, DecodeQuantLinear)})
     label = str(model.dtype).removeprefix("torch.") + (f", decode {'+'.join(f'int{b}' for b in bits)}" if bits else "")
+    if block_parts(model):
+        label += ", gguf blocks"
 
     def prefill_time(n, room=1):
         session = Session(model, n + room)
@@ -219,7 +228,9 @@ def _worker_llama_cpp(job):
 
 def _worker(engine: str, job: dict) -> dict:
     make = {"indexpool": _worker_indexpool, "transformers": _worker_transformers, "llama.cpp": _worker_llama_cpp}[engine]
+    t0 = time.perf_counter()
     dtype, prefill_time, decode_time = make(job)
+    load = time.perf_counter() - t0
     prefill_time(64)  # warm-up: first calls allocate and pick kernels
     n = job["prefill_length"]
     prefill = statistics.median(n / prefill_time(n)[0] for _ in range(job["repeats"]))
@@ -227,7 +238,8 @@ def _worker(engine: str, job: dict) -> dict:
         str(c): statistics.median(job["decode_tokens"] / decode_time(c) for _ in range(job["repeats"])) for c in job["contexts"]
     }
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return {"engine": engine, "dtype": dtype, "prefill_tps": prefill, "decode_tps": decode, "peak_rss_mib": peak, "repeats": job["repeats"]}
+    return {"engine": engine, "dtype": dtype, "load_seconds": load, "prefill_tps": prefill, "decode_tps": decode,
+            "peak_rss_mib": peak, "repeats": job["repeats"]}
 
 
 if __name__ == "__main__":

@@ -645,7 +645,9 @@ class LocalBackend:
         return False  # the document cache keeps the read document: a request on it costs only its own tokens
 
     def extracts(self) -> bool:
-        return sum(p.numel() for p in self.loaded.model.parameters()) < EXTRACT_MAX_PARAMETERS
+        from indexpool.model.gguf_weights import weight_count
+
+        return weight_count(self.loaded.model) < EXTRACT_MAX_PARAMETERS
 
     def count_tokens(self, text: str) -> int:
         return len(self.loaded.tokenizer.encode(text))

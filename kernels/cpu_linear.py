@@ -203,7 +203,7 @@ def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="cpu_linear")
 
 
-def _run(call, rows: int, n: int, k: int) -> None:
+def run_in_threads(call, rows: int, n: int, k: int) -> None:
     """call(n_begin, n_end) for the N outputs, split between torch's thread count of threads (the kernel runs
     without the GIL) when the layer is big enough."""
     threads = min(torch.get_num_threads(), max(1, n * k // THREAD_MIN_WEIGHTS), n // 64 or 1)
@@ -234,7 +234,7 @@ def linear_int4(x: torch.Tensor, qweight: torch.Tensor, bias: torch.Tensor | Non
         raise ValueError(f"not a packed int4 copy for an input width of {k}: {tuple(qweight.shape)} {qweight.dtype}")
     y = torch.empty(rows, n)
     library = native_library()[0]
-    _run(lambda first, end: library.linear_int4(flat.data_ptr(), rows, flat.stride(0), qweight.data_ptr(), first, end, k, y.data_ptr(), n), rows, n, k)
+    run_in_threads(lambda first, end: library.linear_int4(flat.data_ptr(), rows, flat.stride(0), qweight.data_ptr(), first, end, k, y.data_ptr(), n), rows, n, k)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], n)
@@ -252,7 +252,7 @@ def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                          f"scales {tuple(scales.shape)} {scales.dtype}")
     y = torch.empty(rows, n)
     library = native_library()[0]
-    _run(lambda first, end: library.linear_int8(flat.data_ptr(), rows, flat.stride(0), qweight.data_ptr(),
+    run_in_threads(lambda first, end: library.linear_int8(flat.data_ptr(), rows, flat.stride(0), qweight.data_ptr(),
                                                 scales.data_ptr(), first, end, k, y.data_ptr(), n), rows, n, k)
     if bias is not None:
         y += bias
@@ -269,6 +269,6 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"not bf16 weights with rows of {k}: {tuple(weight.shape)} {weight.dtype}")
     y = torch.empty(rows, n)
     library = native_library()[0]
-    _run(lambda first, end: library.linear_bf16(flat.data_ptr(), rows, flat.stride(0), weight.data_ptr(),
+    run_in_threads(lambda first, end: library.linear_bf16(flat.data_ptr(), rows, flat.stride(0), weight.data_ptr(),
                                                 max(weight.stride(0), k), first, end, k, y.data_ptr(), n), rows, n, k)
     return y.view(*x.shape[:-1], n)

@@ -127,7 +127,7 @@ class Session:
                  attention: IndexPoolConfig | None = None, indexer: Indexer | None = None,
                  segment_indexer: Indexer | None = None):
         self.model = model
-        self.device = model.tok_embeddings.weight.device
+        self.device = model.device
         self.tokens: list[int] = []
         self.last_fed_tokens = 0
         self.cache: KVCache | IndexPoolCache

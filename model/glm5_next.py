@@ -825,8 +825,8 @@ class Glm5NextModel(nn.Module):
         self.load_notes: list[str] = []  # what the loader skipped or could not use, for the user
 
     @property
-    def tok_embeddings(self) -> nn.Embedding:  # the name the engine's Session reads the device from
-        return self.embed_tokens
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:

@@ -66,7 +66,7 @@ def projection_from_covariance(covariance: torch.Tensor, share: float) -> tuple[
 def calibrate(model: Transformer, tokens: list[int], share: float = PRUNING_SHARE) -> tuple[torch.Tensor, list[int]]:
     """The projection (see `projection_from_covariance`) from the dense model reading `tokens`."""
     cache = model.new_cache(len(tokens), 1, KeyMoments)
-    ids = torch.tensor([tokens], device=model.tok_embeddings.weight.device)
+    ids = torch.tensor([tokens], device=model.device)
     for start in range(0, len(tokens), CALIBRATION_SEGMENT):
         model(ids[:, start : start + CALIBRATION_SEGMENT], start, cache)
     return projection_from_covariance(cache.covariance(), share)

@@ -80,7 +80,7 @@ class DenseCapture(QueryRecorder, KVCache):
     (`QueryRecorder`), and with `keep_inputs` the attention input of every token and layer."""
 
     def __init__(self, model: Transformer, length: int, query_positions: torch.Tensor, keep_inputs: bool = True):
-        config, device = model.config, model.tok_embeddings.weight.device
+        config, device = model.config, model.device
         model._ensure_rope(length)
         super().__init__(config, length, model.rope_cos, model.rope_sin, 1, model.dtype, device)
         self.head_dim = config.head_dim
@@ -282,7 +282,7 @@ def distill(model: Transformer, fingerprint: ModelFingerprint, windows: list[lis
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         indexer = LightningIndexer(LightningIndexerConfig(fingerprint, key_dim, heads, pattern.kpool))
-    indexer.to(model.tok_embeddings.weight.device)
+    indexer.to(model.device)
 
     capture_seconds = 0.0
 

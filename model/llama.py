@@ -277,20 +277,23 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tok_embeddings.weight.dtype
+        return self.norm.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.device
 
     def new_cache(self, max_length: int, batch: int = 1, kind: type[KVCache] = KVCache) -> KVCache:
         """A `kind` cache (KVCache, or BatchKVCache for independent sequences) of `batch` rows, its K/V in
         `cache_dtype` (None: the model's dtype)."""
         self._ensure_rope(max_length)
-        return kind(self.config, max_length, self.rope_cos, self.rope_sin, batch, self.dtype,
-                    self.tok_embeddings.weight.device, self.cache_dtype)
+        return kind(self.config, max_length, self.rope_cos, self.rope_sin, batch, self.dtype, self.device,
+                    self.cache_dtype)
 
     def _ensure_rope(self, length: int) -> None:
         if length > self._rope_length:
             cos, sin = rope_tables(self.config, length, self.dtype)
-            device = self.tok_embeddings.weight.device
-            self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+            self.rope_cos, self.rope_sin = cos.to(self.device), sin.to(self.device)
             self._rope_length = length
 
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
@@ -330,7 +333,7 @@ class Transformer(nn.Module):
     def _not_in_c(self) -> str | None:
         """Why this model's decode steps cannot run in one C call (INDEXPOOL_KERNELS aside: read per step), or
         None."""
-        if self.dtype != torch.float32 or self.tok_embeddings.weight.device.type != "cpu":
+        if self.dtype != torch.float32 or self.device.type != "cpu":
             return "an fp32 model on a CPU only"
         if self.config.qk_norm:
             return "the C step has no q/k norm"

@@ -47,13 +47,15 @@ def model_path(spec: str | os.PathLike | None) -> Path:
 
 
 def load_model(spec: str | os.PathLike | None, dtype: torch.dtype, device: str | torch.device = "cpu",
-               weights: bool = True) -> LoadedModel:
+               weights: bool = True, blocks: bool = False) -> LoadedModel:
     """spec: a .gguf file, a Hugging Face model directory, or None for the default model. weights=False builds
-    the model with uninitialised weights (for a caller that fills them from prepared copies); llama family only."""
+    the model with uninitialised weights (for a caller that fills them from prepared copies); llama family only.
+    blocks: a GGUF file's linear layers and embedding compute on the file's own blocks, memory-mapped
+    (`model.gguf_weights`), where their type has block kernels."""
     path = model_path(spec)
     if path.is_dir():
         return _load_hf_dir(path, dtype, device, weights)
-    return _load_gguf(path, dtype, device, weights)
+    return _load_gguf(path, dtype, device, weights, blocks)
 
 
 # Canonical per-layer tensor roles; each loader maps them to its own names.
@@ -67,7 +69,7 @@ def materialize(model: torch.nn.Module, dtype: torch.dtype, device) -> torch.nn.
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for name, t in table.items():
-                if t is None:
+                if t is None or t.device.type != "meta":  # already real: a block layer's bias or order
                     continue
                 empty = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
                 table[name] = torch.nn.Parameter(empty, requires_grad=t.requires_grad) if table is module._parameters else empty
@@ -160,11 +162,16 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path, dtype, device, weights: bool = True) -> LoadedModel:
+def _load_gguf(path: Path, dtype, device, weights: bool = True, blocks: bool = False) -> LoadedModel:
     g = read_gguf(path)
     config = gguf_config(g)
     tokenizer = Tokenizer.from_gguf_metadata(g.metadata)
     permuted = GGUF_ARCHS[config.arch]
+    block, type_size = GGML_QUANT_SIZES[g.tensors["blk.0.ffn_up.weight"].qtype]
+    name = str(g.metadata.get("general.name") or path.stem)
+    if blocks:
+        model = build_on_blocks(config, g, dtype, device, permuted)
+        return LoadedModel(model, tokenizer, config, path, name, path.stat().st_size, 8 * type_size / block)
 
     def get(role: str) -> torch.Tensor:
         if role in ("embed", "norm", "output"):
@@ -178,9 +185,66 @@ def _load_gguf(path: Path, dtype, device, weights: bool = True) -> LoadedModel:
         return t
 
     model = build_transformer(config, get if weights else None, dtype, device)
-    name = str(g.metadata.get("general.name") or path.stem)
-    block, type_size = GGML_QUANT_SIZES[g.tensors["blk.0.ffn_up.weight"].qtype]
     return LoadedModel(model, tokenizer, config, path, name, path.stat().st_size, 8 * type_size / block)
+
+
+def build_on_blocks(config: LlamaConfig, g: GGUFFile, dtype, device, permuted: bool) -> Transformer:
+    """The model with its linear layers and embedding on the file's blocks (`BlockLinear`, `BlockEmbedding`),
+    shared with a copy-on-write map of the file; tensors of types without block kernels dequantized to `dtype`;
+    norms and biases as parameters. Q and K rows stay as stored: their layers reorder their outputs."""
+    import numpy as np
+
+    from indexpool.kernels import gguf_blocks
+    from .gguf_weights import BlockEmbedding, BlockLinear, WeightPart, file_blocks
+
+    data = np.memmap(g.path, dtype=np.uint8, mode="c")
+
+    def part(name: str) -> WeightPart:
+        if name not in g.tensors:
+            raise ModelLoadError(f"{g.path.name}: tensor '{name}' is missing; the file is incomplete or not a "
+                                 "llama-family model")
+        info = g.tensors[name]
+        rows, k = info.shape
+        if int(info.qtype) in gguf_blocks.TYPES and k % gguf_blocks.TYPES[int(info.qtype)][1] == 0:
+            return WeightPart(k, file_blocks(data, info.offset, info.n_bytes, rows), int(info.qtype))
+        return WeightPart(k, dense=g.tensor(name).to(dtype))
+
+    def order(rows: int, heads: int) -> torch.Tensor:
+        return unpermute_rows(torch.arange(rows), heads) if permuted else torch.arange(rows)
+
+    def bias(i: int) -> torch.Tensor | None:
+        if not config.qkv_bias:
+            return None
+        q, k, v = (g.tensor(f"blk.{i}.attn_{w}.bias") for w in "qkv")
+        if permuted:
+            q, k = unpermute_rows(q, config.n_heads), unpermute_rows(k, config.n_kv_heads)
+        return torch.cat([q, k, v]).to(dtype)
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    embed = part("token_embd.weight")
+    model.tok_embeddings = BlockEmbedding(embed, config.dim, dtype)
+    model.output = BlockLinear([embed if config.tie_embeddings else part("output.weight")], config.dim)
+    for i, block in enumerate(model.layers):
+        q, k, v = (part(f"blk.{i}.attn_{w}.weight") for w in "qkv")
+        qkv_order = torch.cat([order(q.rows, config.n_heads), q.rows + order(k.rows, config.n_kv_heads),
+                               q.rows + k.rows + torch.arange(v.rows)])
+        block.attention.wqkv = BlockLinear([q, k, v], config.dim, bias(i), qkv_order if permuted else None)
+        block.attention.wo = BlockLinear([part(f"blk.{i}.attn_output.weight")], config.q_dim)
+        block.feed_forward.w13 = BlockLinear([part(f"blk.{i}.ffn_gate.weight"), part(f"blk.{i}.ffn_up.weight")],
+                                             config.dim)
+        block.feed_forward.w2 = BlockLinear([part(f"blk.{i}.ffn_down.weight")], config.ffn_dim)
+    materialize(model, dtype, device)
+    with torch.no_grad():
+        model.norm.copy_(g.tensor("output_norm.weight"))
+        for i, block in enumerate(model.layers):
+            block.attention_norm.copy_(g.tensor(f"blk.{i}.attn_norm.weight"))
+            block.ffn_norm.copy_(g.tensor(f"blk.{i}.ffn_norm.weight"))
+            if config.qk_norm:
+                block.attention.q_norm.copy_(g.tensor(f"blk.{i}.attn_q_norm.weight"))
+                block.attention.k_norm.copy_(g.tensor(f"blk.{i}.attn_k_norm.weight"))
+    model._ensure_rope(config.context_length)
+    return model.eval().requires_grad_(False)
 
 
 # ------------------------------------------------------------------------------------------ Hugging Face

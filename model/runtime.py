@@ -63,22 +63,50 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
 
 
-DECODE_WEIGHTS = ("auto", "int4", "int8", "off")
+DECODE_WEIGHTS = ("auto", "gguf", "int4", "int8", "off")
+# auto: a GGUF model with at least this many weights computes on the file's own blocks (`model.gguf_weights`):
+# a dequantized copy of a 1B model took 10 GB here. Smaller ones (the default model, 135M) keep the dequantized
+# weights and their decode copies, whose fused C decode step is faster at that size (docs/benchmarks.md).
+BLOCKS_MIN_WEIGHTS = 500_000_000
 
 
 def decode_bits(choice: str, source_bits_per_weight: float) -> int | None:
     """auto: int4 for models stored in 5 bits or fewer per weight (Q4_0, Q4_1, Q4_K...: int4 in groups of 32
-    loses next to nothing more), int8 otherwise."""
+    loses next to nothing more), int8 otherwise. gguf: no decode copies (the layers compute on the file's
+    blocks)."""
     if choice not in DECODE_WEIGHTS:
         raise ValueError(f"unknown decode weights '{choice}' (choose {', '.join(DECODE_WEIGHTS)})")
     if choice == "auto":
         return 4 if source_bits_per_weight <= 5 else 8
-    return {"int4": 4, "int8": 8, "off": None}[choice]
+    return {"int4": 4, "int8": 8, "off": None, "gguf": None}[choice]
+
+
+def on_blocks(choice: str, path: Path, device: str) -> bool:
+    """Whether a model computes on its GGUF file's blocks: --decode-weights gguf (a GGUF file on the CPU), or auto
+    for a llama-family GGUF model of at least BLOCKS_MIN_WEIGHTS weights on the CPU."""
+    from .errors import SettingsError
+    from .gguf_file import read_gguf
+    from .loader import GGUF_ARCHS
+
+    if choice == "gguf" and (path.is_dir() or device != "cpu"):
+        raise SettingsError("--decode-weights gguf computes on a GGUF file's blocks on the CPU: give a .gguf file "
+                            "(and no GPU), or choose auto")
+    if choice not in ("auto", "gguf") or path.is_dir() or device != "cpu":
+        return False
+    g = read_gguf(path)
+    if g.architecture not in GGUF_ARCHS:
+        return False
+    import math
+
+    weights = sum(math.prod(info.shape) for info in g.tensors.values())
+    return choice == "gguf" or weights >= BLOCKS_MIN_WEIGHTS
 
 
 def load_engine(model: str | os.PathLike | None, dtype: str = "auto", device: str | None = None, decode_weights: str = "auto") -> LoadedModel:
-    """Load a model for generation. A bf16 model on the CPU decodes with quantized weight copies unless
-    `decode_weights` is "off", and so does an fp32 one where the C kernels of kernels/cpu_linear.c build. The
+    """Load a model for generation. A GGUF model of 500M weights or more (or any, with `decode_weights` "gguf")
+    computes on the file's own blocks, memory-mapped (`on_blocks`). Otherwise a bf16 model on the CPU decodes with
+    quantized weight copies unless `decode_weights` is "off", and so does an fp32 one where the C kernels of
+    kernels/cpu_linear.c build. The
     output layer stays int8: GGUF files keep it at 8 bits or more (the default model's tied embedding is Q8_0), as
     the matrix whose rounding reaches the logits directly.
 
@@ -91,6 +119,8 @@ def load_engine(model: str | os.PathLike | None, dtype: str = "auto", device: st
     torch_dtype = resolve_dtype(dtype, device)
     decode_bits(decode_weights, 16)  # validate before the slow load
     path = model_path(model)
+    if on_blocks(decode_weights, path, device):
+        return load_model(path, torch_dtype, device, blocks=True)
     store = None
     if path.is_file() and os.environ.get("INDEXPOOL_PREPARED_WEIGHTS", "1") != "0":
         store = TensorCache(default_cache_dir("models"), limit_bytes=PREPARED_LIMIT_BYTES)

@@ -52,7 +52,7 @@ def default_indexer(options: SessionOptions, loaded,
             from .index_pruning import pruning_projection
 
             projection = pruning_projection(loaded, calibrating=calibrating)
-        return TrainingFreeIndexer(loaded.config, options.indexpool.kpool, loaded.model.tok_embeddings.weight.device,
+        return TrainingFreeIndexer(loaded.config, options.indexpool.kpool, loaded.model.device,
                                    projection)
     if options.prune_index:
         raise SettingsError("--prune-index applies to the training-free indexer (--indexer auto, training-free or "
@@ -93,7 +93,7 @@ def lightning_indexer(kind: str, loaded):
         if not path.is_file():
             raise InputError(f"indexer file {path} not found (or use --indexer {'|'.join(INDEXER_KINDS)})")
     try:
-        return LightningIndexer.load(path, device=loaded.model.tok_embeddings.weight.device,
+        return LightningIndexer.load(path, device=loaded.model.device,
                                      model=ModelFingerprint.of(loaded))
     except ValueError as e:
         raise InputError(f"indexer {path}: {e}") from None

@@ -309,7 +309,7 @@ def test_bench_runs_our_engine_and_reports_json():
     (result,) = report["results"]
     assert result["engine"] == "indexpool" and "error" not in result
     assert set(result["decode_tps"]) == {"16", "48"} and all(v > 0 for v in result["decode_tps"].values())
-    assert result["prefill_tps"] > 0 and result["peak_rss_mib"] > 100
+    assert result["prefill_tps"] > 0 and result["peak_rss_mib"] > 100 and result["load_seconds"] > 0
 
 
 def test_bench_skips_transformers_bf16_without_native_bf16(monkeypatch, capsys):
@@ -332,7 +332,7 @@ def test_bench_skips_transformers_bf16_without_native_bf16(monkeypatch, capsys):
     assert started == [("indexpool", "auto"), ("transformers", "fp32")]
     skipped = [r for r in report["results"] if r["dtype"] == "bf16"]
     assert len(skipped) == 1 and skipped[0]["error"].startswith("skipped: this CPU has no native bf16")
-    assert report["ratios"] == {"prefill": 1.0, "decode@16": 1.0}
+    assert report["ratios"] == {"best transformers": {"prefill": 1.0, "decode@16": 1.0, "peak RSS": 1.0}}
 
 
 def test_bench_runs_our_engine_once_per_decode_weights_choice(monkeypatch, capsys):
@@ -355,7 +355,7 @@ def test_bench_runs_our_engine_once_per_decode_weights_choice(monkeypatch, capsy
     report = json.loads(capsys.readouterr().out)
     assert started == [("indexpool", "auto"), ("indexpool", "off"), ("transformers", None)]
     assert [r["decode_tps"]["16"] for r in report["results"] if r["engine"] == "indexpool"] == [30.0, 15.0]
-    assert report["ratios"] == {"prefill": 3.0, "decode@16": 3.0}
+    assert report["ratios"] == {"best transformers": {"prefill": 3.0, "decode@16": 3.0, "peak RSS": 1.0}}
 
 
 def test_missing_default_model(tmp_path):

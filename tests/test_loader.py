@@ -173,3 +173,50 @@ def test_prepared_weights_cache_gives_the_same_model(tmp_path, monkeypatch):
     entry.write_bytes(entry.read_bytes()[:1000])  # damaged: rebuilt, not trusted
     again = load_engine(None)
     assert torch.equal(again.model.tok_embeddings.weight, built.model.tok_embeddings.weight)
+
+
+@pytest.mark.parametrize("arch, model_type, qtype", [("llama", "llama", "Q4_0"), ("llama", "llama", "Q8_0"),
+                                                     ("qwen2", "qwen2", "Q5_1"), ("qwen3", "qwen3", "Q4_1")],
+                         ids=["llama-Q4_0", "llama-Q8_0", "qwen2-bias-Q5_1", "qwen3-qk-norm-Q4_1"])
+def test_a_model_on_its_gguf_blocks_is_the_dequantized_model(tmp_path, default_gguf_metadata, ids, arch, model_type,
+                                                              qtype, monkeypatch):
+    """Computing on the file's blocks (memory-mapped, no dequantized copy): the layers' outputs in the model's
+    order (llama's Q/K rows stay permuted in the file, their outputs are reordered), the fused parts, biases and
+    the tied embedding wired as the dequantized load wires them. Many rows (prefill) multiply dequantized slices:
+    the round-tripped transformers model's logits. A decode step's few rows go through the int8-activation
+    kernel (tests/test_gguf_blocks.py bounds it); with the kernels off they are dequantized too and exact."""
+    from tests.kernel_setting import use_kernels
+    from indexpool.model.gguf_weights import BlockLinear, block_parts, weight_count
+
+    hf = make_hf_model(model_type, VOCAB, **({"head_dim": 32} if model_type == "qwen3" else {}))
+    path = write_gguf(hf, tmp_path / f"{arch}-{qtype}.gguf", default_gguf_metadata, arch=arch, qtype=qtype)
+    loaded = load_model(path, torch.float32, blocks=True)
+    linears = [m for m in loaded.model.modules() if isinstance(m, (BlockLinear, torch.nn.Linear))]
+    assert linears and all(isinstance(m, BlockLinear) for m in linears)
+    assert all(part.blocks is not None for part in block_parts(loaded.model))
+    assert weight_count(loaded.model) == sum(p.numel() for p in hf.parameters())
+    expected = reference_logits(dequantized_copy(hf, qtype), ids)
+    assert (our_logits(loaded, ids) - expected).abs().max().item() <= 1e-4
+    use_kernels(monkeypatch, "torch")
+    assert (our_logits(loaded, ids[:, :12], segment=1) - expected[:, :12]).abs().max().item() <= 1e-4
+
+
+def test_the_engine_chooses_the_blocks_for_large_gguf_models(tmp_path, default_gguf_metadata, reference_tokenizer,
+                                                            monkeypatch):
+    """--decode-weights auto: blocks from BLOCKS_MIN_WEIGHTS weights on (here lowered to the tiny model's size),
+    dequantized weights below; gguf: always, for a GGUF file; a Hugging Face directory has no blocks: a usage
+    error."""
+    from indexpool.model import runtime
+    from indexpool.model.errors import SettingsError
+    from indexpool.model.gguf_weights import block_parts
+
+    hf = make_hf_model("llama", VOCAB)
+    path = write_gguf(hf, tmp_path / "m.gguf", default_gguf_metadata, qtype="Q8_0")
+    monkeypatch.setenv("INDEXPOOL_PREPARED_WEIGHTS", "0")
+    assert not block_parts(runtime.load_engine(str(path), "fp32").model)
+    assert block_parts(runtime.load_engine(str(path), "fp32", decode_weights="gguf").model)
+    monkeypatch.setattr(runtime, "BLOCKS_MIN_WEIGHTS", sum(p.numel() for p in hf.parameters()))
+    assert block_parts(runtime.load_engine(str(path), "fp32").model)
+    directory = save_hf_dir(hf, reference_tokenizer, tmp_path / "hf")
+    with pytest.raises(SettingsError, match="GGUF file"):
+        runtime.load_engine(str(directory), "fp32", decode_weights="gguf")

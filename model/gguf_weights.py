@@ -1,0 +1,149 @@
+"""A llama-family model's weights kept as the GGUF file stores them: the quantized blocks stay in the memory-mapped
+file and the layers compute on them (`kernels.gguf_blocks`), instead of a dequantized copy of the whole model.
+
+`BlockLinear` stands in for an nn.Linear whose output rows are one or more tensors of the file one after another
+(the engine fuses Q, K and V, and gate and up): each part is either rows of blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+or, for the file's other types, a dense weight dequantized at load. llama.cpp's converter stores the rows of Q and
+K permuted for its interleaved rotary embedding; the blocks cannot be reordered in place, so the layer reorders its
+outputs instead (`order`). `BlockEmbedding` dequantizes the rows of the tokens it is given.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from indexpool.kernels import gguf_blocks
+
+# Up to this many rows a layer quantizes its activations and computes on the blocks (a decode step, a few
+# branches); more rows (prefill) multiply slices of dequantized weights in the model's dtype.
+BLOCK_ROWS = 8
+
+
+class WeightPart:
+    """Output rows of a BlockLinear: GGUF blocks (uint8 (N, row_bytes) of ggml type `qtype`) or a dense weight."""
+
+    def __init__(self, in_features: int, blocks: torch.Tensor | None = None, qtype: int | None = None,
+                 dense: torch.Tensor | None = None):
+        self.in_features, self.blocks, self.qtype, self.dense = in_features, blocks, qtype, dense
+        self.rows = dense.shape[0] if dense is not None else blocks.shape[0]
+
+    @property
+    def bytes(self) -> int:
+        t = self.dense if self.dense is not None else self.blocks
+        return t.numel() * t.element_size()
+
+    @property
+    def format(self) -> str:
+        return gguf_blocks.TYPES[self.qtype][0] if self.dense is None else str(self.dense.dtype).removeprefix("torch.")
+
+
+class BlockLinear(nn.Module):
+    """y = x @ W.T (+ bias) with W the parts' rows in order (then reordered by `order`, where given)."""
+
+    def __init__(self, parts: list[WeightPart], in_features: int, bias: torch.Tensor | None = None,
+                 order: torch.Tensor | None = None):
+        super().__init__()
+        self.parts = parts
+        self.groups: list[list[WeightPart]] = []  # consecutive parts of the same block type (dense: alone)
+        for part in parts:
+            if self.groups and part.dense is None and self.groups[-1][0].dense is None \
+                    and self.groups[-1][0].qtype == part.qtype:
+                self.groups[-1].append(part)
+            else:
+                self.groups.append([part])
+        self.in_features = in_features
+        self.out_features = sum(part.rows for part in parts)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.register_buffer("order", order, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        on_blocks = flat.shape[0] <= BLOCK_ROWS and gguf_blocks.kernel_runs()
+        activations = None
+        if on_blocks and any(part.dense is None for part in self.parts):
+            flat32 = flat.float().contiguous()
+            activations = gguf_blocks.quantize_activations(flat32)
+        outputs = []
+        for group in self.groups:  # runs of parts of one block type go to the kernel in one call
+            first = group[0]
+            if first.dense is not None:
+                outputs.append(F.linear(flat, first.dense.to(flat.dtype)))
+            elif on_blocks:
+                outputs.append(gguf_blocks.linear(flat32, [part.blocks for part in group], first.qtype,
+                                                  activations).to(flat.dtype))
+            else:
+                outputs += [gguf_blocks.matmul_dequantized(flat, part.blocks, part.qtype, self.in_features)
+                            for part in group]
+        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        if self.order is not None:
+            y = y.index_select(-1, self.order)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"parts={'+'.join(part.format for part in self.parts)}"
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table kept as GGUF blocks (or dense): a token's row is dequantized when it is looked up."""
+
+    def __init__(self, part: WeightPart, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.part, self.dim, self.dtype = part, dim, dtype
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        ids = tokens.reshape(-1)
+        if self.part.dense is not None:
+            rows = self.part.dense.index_select(0, ids)
+        else:
+            picked = self.part.blocks.index_select(0, ids)
+            rows = (gguf_blocks.dequantize(picked, self.part.qtype, self.dim) if gguf_blocks.kernel_runs()
+                    else gguf_blocks.dequantize_reference(picked, self.part.qtype))
+        return rows.to(self.dtype).reshape(*tokens.shape, self.dim)
+
+
+def file_blocks(data: np.memmap, offset: int, n_bytes: int, rows: int) -> torch.Tensor:
+    """A tensor's bytes in the memory-mapped file as uint8 (rows, bytes per row), shared with the map."""
+    return torch.from_numpy(data[offset : offset + n_bytes]).view(rows, n_bytes // rows)
+
+
+def block_parts(model: nn.Module) -> list[WeightPart]:
+    """The weight parts of a model's block layers, each once (a tied embedding and output share theirs)."""
+    parts: dict[int, WeightPart] = {}
+    for module in model.modules():
+        for part in [module.part] if isinstance(module, BlockEmbedding) else \
+                module.parts if isinstance(module, BlockLinear) else []:
+            parts.setdefault(id(part), part)
+    return list(parts.values())
+
+
+def weight_count(model: nn.Module) -> int:
+    """A model's weights: its parameters, and those its block layers keep as the file stores them."""
+    parameters = {id(p): p for p in model.parameters()}.values()
+    return sum(part.rows * part.in_features for part in block_parts(model)) + sum(p.numel() for p in parameters)
+
+
+def weight_formats(model: nn.Module) -> dict[str, int]:
+    """Bytes the model's weights take in memory, by format: the file's block types (memory-mapped), dense dtypes,
+    and the quantized decode copies (`model.quant`)."""
+    from .quant import DecodeQuantLinear
+
+    sizes: dict[str, int] = {}
+
+    def add(name: str, tensor: torch.Tensor) -> None:
+        sizes[name] = sizes.get(name, 0) + tensor.numel() * tensor.element_size()
+
+    for part in block_parts(model):
+        sizes[part.format] = sizes.get(part.format, 0) + part.bytes
+    for parameter in {id(p): p for p in model.parameters()}.values():
+        add(str(parameter.dtype).removeprefix("torch."), parameter)
+    for module in model.modules():
+        if isinstance(module, DecodeQuantLinear):
+            for buffer in module.buffers(recurse=False):
+                add(f"int{module.bits} decode copies", buffer)
+    return sizes
