@@ -2,12 +2,13 @@
 engine does with the models users bring from llama.cpp and Ollama.
 
 Each file has a real model's hyperparameters and tensor shapes (`SHAPES`), the default model's tokenizer (its
-token list padded with unused tokens to the model's vocabulary), and random blocks in the chosen type (scales
-drawn near a trained model's, levels uniform): the weights' values do not change speed or memory. Then, with
---bench, `indexpool bench --model FILE` runs our engine and llama.cpp on it, one process each: load time, prefill,
-decode, peak RSS.
+token list padded with unused tokens to the model's vocabulary), and random rows in the chosen type (blocks with
+scales drawn near a trained model's and uniform levels, or F32/F16/BF16 values): the weights' values do not change
+speed or memory. Then, with --bench, `indexpool bench --model FILE` runs our engine and llama.cpp on it, one
+process each: load time, prefill, decode, peak RSS.
 
     .venv/bin/python -m benchmarks.gguf_shapes --shape llama-3.2-1b --type Q4_0 --out /tmp/shapes --bench
+    .venv/bin/python -m benchmarks.gguf_shapes --shape llama-3.2-1b --type Q4_0,Q4_K --out /tmp/shapes --interleaved 1
 """
 
 from __future__ import annotations
@@ -47,29 +48,33 @@ SHAPES = {  # from the models' published config.json
 }
 
 
-def random_blocks(rows: int, columns: int, qtype, rng: np.random.Generator) -> np.ndarray:
-    """Rows of random blocks of a ggml type: fp16 scales near 0.01-0.05 where the format has them, other bytes
-    uniform."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+# where a block keeps its fp16 scale d, and its min (dmin for the K-quants) where it has one
+SCALE_BYTES = {"Q4_0": (0, None), "Q4_1": (0, 2), "Q5_0": (0, None), "Q5_1": (0, 2), "Q8_0": (0, None),
+               "Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
 
+
+def random_blocks(rows: int, columns: int, qtype, rng: np.random.Generator) -> np.ndarray:
+    """Rows of random blocks of a ggml type as bytes: fp16 scales near 0.01-0.05 (mins -0.1) where the format
+    keeps them, other bytes uniform (the gguf package cannot quantize the K-quants, and random levels are all a
+    speed test needs); F32, F16 and BF16: values of a normal distribution (sd 0.02)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quantize
+
+    qtype = GGMLQuantizationType(qtype)
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+        values = rng.standard_normal((rows, columns), dtype=np.float32) * np.float32(0.02)
+        return np.ascontiguousarray(quantize(values, qtype)).view(np.uint8).reshape(rows, -1)
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(rows, columns // block, size), dtype=np.uint8)
-    scales = rng.uniform(0.01, 0.05, size=(rows, columns // block)).astype(np.float16).view(np.uint8)
-    scales = scales.reshape(rows, columns // block, 2)
-    if qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
-                 GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
-                 GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q2_K):
-        blocks[..., 0:2] = scales  # d (the K-quants' super-block scale comes first too, except Q3_K and Q6_K)
-    if qtype in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K,
-                 GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q2_K):
-        blocks[..., 2:4] = np.array([-0.1], dtype=np.float16).view(np.uint8)  # the min / dmin
-    if qtype == GGMLQuantizationType.Q6_K:
-        blocks[..., -2:] = scales
+    d, m = SCALE_BYTES[qtype.name]
+    blocks[..., d : d + 2] = rng.uniform(0.01, 0.05, size=(rows, columns // block, 1)).astype(np.float16).view(np.uint8)
+    if m is not None:
+        blocks[..., m : m + 2] = np.array([-0.1], dtype=np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
 def write_shape(path: Path, shape: Shape, type_name: str, seed: int = 0) -> Path:
-    """The GGUF file of `shape` with random `type_name` blocks in every matrix (F32 norms and biases)."""
+    """The GGUF file of `shape` with random `type_name` rows in every matrix (F32 norms and biases)."""
     import gguf
 
     from indexpool.model.default_model import default_model_path
@@ -134,14 +139,63 @@ def write_shape(path: Path, shape: Shape, type_name: str, seed: int = 0) -> Path
     return path
 
 
+def interleaved_decode(path: Path, threads: int, rounds: int = 6, tokens: int = 16) -> str:
+    """Decode speed of our engine and llama.cpp loaded side by side in this process, their runs of `tokens` steps
+    alternating (context 64 on): on a machine that others load too, each pair of runs meets the same load, where
+    `indexpool bench` times one engine's runs, then the other's. -> a line: medians and the ratio."""
+    import statistics
+    import time
+
+    import torch
+    from llama_cpp import Llama
+
+    from indexpool.model.generate import Session
+    from indexpool.model.runtime import load_engine
+
+    torch.set_num_threads(threads)
+    model = load_engine(str(path), "auto", decode_weights="auto").model
+    room = 64 + tokens * (rounds + 1) + 8
+    session = Session(model, room)
+    session.prefill(list(range(100, 164)))
+    llm = Llama(model_path=str(path), n_ctx=room, n_threads=threads, n_batch=64, verbose=False)
+    llm.eval(list(range(100, 164)))
+    token, position = torch.tensor([[42]]), 64
+
+    def ours() -> float:
+        nonlocal position
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(tokens):
+                model(token, position, session.cache)
+                position += 1
+        return (time.perf_counter() - start) / tokens
+
+    def theirs() -> float:
+        start = time.perf_counter()
+        for _ in range(tokens):
+            llm.eval([42])
+        return (time.perf_counter() - start) / tokens
+
+    ours(), theirs()  # warm-up
+    pairs = [(ours(), theirs()) for _ in range(rounds)]
+    a, b = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+    ratio = statistics.median(p[1] / p[0] for p in pairs)
+    return (f"{path.name}, {threads} threads: indexpool {a * 1e3:.1f} ms/token, llama.cpp {b * 1e3:.1f} ms/token "
+            f"(medians of {rounds} alternating runs of {tokens}); indexpool / llama.cpp decode speed {ratio:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.2-1b", help=f"comma-separated: {', '.join(SHAPES)}")
-    parser.add_argument("--type", default="Q4_0", help="comma-separated ggml types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K...")
+    parser.add_argument("--type", default="Q4_0",
+                        help=f"comma-separated ggml types: F32, F16, BF16, {', '.join(SCALE_BYTES)}")
     parser.add_argument("--out", type=Path, default=Path("/tmp/indexpool-shapes"))
     parser.add_argument("--bench", action="store_true", help="then run `indexpool bench` on each file")
     parser.add_argument("--contexts", default="512,4096")
     parser.add_argument("--prefill-length", default="512")
+    parser.add_argument("--interleaved", type=int, metavar="THREADS",
+                        help="then time decode steps of our engine and llama.cpp alternately, in one process, with "
+                             "this many threads each (steadier than --bench where other work loads the machine)")
     args = parser.parse_args()
     print(machine_description())
     args.out.mkdir(parents=True, exist_ok=True)
@@ -155,6 +209,8 @@ def main() -> None:
                 subprocess.run([str(Path(sys.executable).with_name("indexpool")), "bench", "--model", str(path),
                                 "--engines", "indexpool,llama.cpp", "--contexts", args.contexts, "--prefill-length",
                                 args.prefill_length, "--decode-tokens", "16", "--repeats", "3"], check=False)
+            if args.interleaved:
+                print(interleaved_decode(path, args.interleaved), flush=True)
 
 
 if __name__ == "__main__":

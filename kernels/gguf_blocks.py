@@ -1,13 +1,19 @@
-"""Linear layers on a GGUF file's own quantized blocks, in C (`gguf_blocks.c`), next to their torch reference.
+"""Linear layers on a GGUF file's own weights, in C (`gguf_blocks.c`), next to their torch reference.
 
 A model brought from llama.cpp or Ollama keeps its weights in blocks along the input: Q4_0, Q4_1, Q5_0, Q5_1 and
-Q8_0 (32 weights a block) and the K-quants Q4_K and Q6_K (256; a Q4_K_M file is mostly these two). The formats
-are in gguf_blocks.c. Rather than a dequantized copy of the model (4-8x the file in fp32 or
-bf16), the engine keeps the blocks where they lie in the memory-mapped file and computes on them:
+Q8_0 (32 weights a block), the K-quants Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (256; a Q4_K_M file is mostly Q4_K and
+Q6_K), or plain F32, F16 and BF16 rows. The formats are in gguf_blocks.c. Rather than a dequantized copy of the
+model (4-8x the file in fp32 or bf16), the engine keeps the weights where they lie in the memory-mapped file and
+computes on them:
   - few rows (a decode step): `linear` quantizes the activations to int8 blocks of 32 (`quantize_activations`)
     and sums integer products block by block, as llama.cpp's CPU engine does; the error against the exact product
-    is the activations' rounding only (at most half a step d_x / 2 per input: `activation_error_bound`);
-  - many rows (prefill): `dequantize` gives a slice of the matrix's rows in fp32 at a time, and torch multiplies.
+    is the activations' rounding only (at most half a step d_x / 2 per input: `activation_error_bound`). F16 rows
+    are widened to fp32 in the C kernel, BF16 rows in cpu_linear's, F32 rows go to torch as they are: the float
+    types take the activations unrounded;
+  - many rows (prefill): `matmul_dequantized` multiplies slices of the matrix's rows dequantized to the activations'
+    fp32 or bf16 in a buffer kept per thread (the float types: the rows themselves where the activations have their
+    dtype).
+The C calls split their output rows over torch's thread count, in threads of their own (gguf_blocks.c says why).
 
 `*_reference` are the same computations in plain torch (the kernels' tests compare them on awkward shapes, and
 the engine runs them where the library does not build or INDEXPOOL_KERNELS=torch). The library is built on first
@@ -18,56 +24,86 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from . import torch_forced
-from .cpu_linear import run_in_threads
-from .native_build import build_native
+from . import cpu_linear, torch_forced
+from .native_build import FLAGS, build_native
 
 SOURCE = Path(__file__).with_name("gguf_blocks.c")
 BLOCK = 32
 # ggml type number -> (name, weights per block, bytes per block)
-TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
-         12: ("Q4_K", 256, 144), 14: ("Q6_K", 256, 210)}
-QUANTIZE_SIGNATURE = "pqqq" + "ppp"
-LINEAR_SIGNATURE = "ipppqq" + "ppqqq" + "pq"
-DEQUANTIZE_SIGNATURE = "ipqqqq" + "pq"
+TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2),
+         2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
+         10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
+         14: ("Q6_K", 256, 210)}
+FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # rows of plain values, no blocks
+K_QUANTS = (10, 11, 12, 13, 14)
+QUANTIZE_SIGNATURE = "pqqq" + "pppp"
+LINEAR_SIGNATURE = "ippppqq" + "ppqqq" + "pqipi"
+LINEAR_X_SIGNATURE = "ipiqqq" + "ppqqq" + "pqipi"
+F16_SIGNATURE = "pqqq" + "ppqqq" + "pqipi"
+DEQUANTIZE_SIGNATURE = "ipqqqq" + "pqii"
+SIGNATURES = {"gguf_quantize_rows": QUANTIZE_SIGNATURE, "gguf_linear": LINEAR_SIGNATURE,
+              "gguf_linear_x": LINEAR_X_SIGNATURE, "gguf_linear_f16": F16_SIGNATURE,
+              "gguf_dequantize": DEQUANTIZE_SIGNATURE}
 
-# A known answer, checked in a child process on a freshly built library before it is used: a Q4_1 row and a Q8_0
-# row of 64 weights against 2 rows of activations whose int8 blocks are exact (small integers, max 127), and one
-# row dequantized; every sum is an integer times a power of two, exact in fp32.
+# A known answer, checked in a child process on a freshly built library before it is used: a Q4_1, a Q8_0 and a
+# Q4_K row (a super-block: 6-bit scales and mins with their top bits set) against 2 rows of activations whose int8
+# blocks are exact (small integers, max 127), an F16 row against them, and the rows dequantized; every sum is an
+# integer times a power of two, exact in fp32.
 SELF_TEST = """
 import ctypes, struct, sys
 lib = ctypes.CDLL(sys.argv[1])
 types = {"p": ctypes.c_void_p, "i": ctypes.c_int, "q": ctypes.c_int64}
-for name, codes in zip(("gguf_quantize_rows", "gguf_linear", "gguf_dequantize"), sys.argv[2:5]):
+names = ("gguf_quantize_rows", "gguf_linear", "gguf_linear_x", "gguf_linear_f16", "gguf_dequantize")
+for name, codes in zip(names, sys.argv[2:7]):
     getattr(lib, name).argtypes = [types[c] for c in codes]
-K, rows = 64, 2
-xs = [[float(((k * 7 + r) % 255) - 127) for k in range(K)] for r in range(rows)]
+K, rows = 256, 2
+xs = [[float(((k * 7 + r) % 15) - 7) for k in range(K)] for r in range(rows)]  # small: every sum below is exact
 for row in xs:
-    row[0] = row[32] = 127.0  # every block's largest magnitude is 127: its scale is 1, its levels are x
+    for b in range(0, K, 32):
+        row[b] = 127.0  # every block's largest magnitude is 127: its scale is 1, its levels are x
 x = (ctypes.c_float * (rows * K))(*[v for row in xs for v in row])
-q, d, s = (ctypes.c_int8 * (rows * K))(), (ctypes.c_float * (rows * 2))(), (ctypes.c_float * (rows * 2))()
-if lib.gguf_quantize_rows(x, rows, K, K, q, d, s) or list(q) != [int(v) for row in xs for v in row] or list(d) != [1.0] * 4:
+floats = lambda n: (ctypes.c_float * n)()
+q, d, s, s16 = (ctypes.c_int8 * (rows * K))(), floats(rows * 8), floats(rows * 8), floats(rows * 16)
+if lib.gguf_quantize_rows(x, rows, K, K, q, d, s, s16) or list(q) != [int(v) for row in xs for v in row] \\
+        or list(d) != [1.0] * 16 or list(s16)[:2] != [sum(xs[0][:16]), sum(xs[0][16:32])]:
     sys.exit("wrong activation blocks")
 half = lambda v: struct.pack("<e", v)
 u = [(k * 5) % 16 for k in range(K)]
-q41 = b"".join(half(0.5) + half(-2.0) + bytes(u[b + j] | (u[b + j + 16] << 4) for j in range(16)) for b in (0, 32))
+nibbles = lambda b: bytes(u[b + j] | (u[b + j + 16] << 4) for j in range(16))
+q41 = b"".join(half(0.5) + half(-2.0) + nibbles(b) for b in range(0, K, 32))
 w8 = [((k * 3) % 255) - 127 for k in range(K)]
-q80 = b"".join(half(0.25) + struct.pack("<32b", *w8[b : b + 32]) for b in (0, 32))
-for kind, blob, weights in ((3, q41, [0.5 * v - 2.0 for v in u]), (8, q80, [0.25 * v for v in w8])):
+q80 = b"".join(half(0.25) + struct.pack("<32b", *w8[b : b + 32]) for b in range(0, K, 32))
+sc, mins = [3 + 8 * j for j in range(8)], [60 - 7 * j for j in range(8)]
+low6 = lambda v: [v[j] & 63 | (v[j + 4] >> 4) << 6 for j in range(4)]  # and the top bits of v[4..7]
+packed = low6(sc) + low6(mins) + [(sc[j + 4] & 15) | (mins[j + 4] & 15) << 4 for j in range(4)]
+q4k = half(0.5) + half(0.25) + bytes(packed) + bytes(u[64 * i + l] | u[64 * i + 32 + l] << 4
+                                                     for i in range(4) for l in range(32))
+k4 = [0.5 * sc[k // 32] * u[k] - 0.25 * mins[k // 32] for k in range(K)]
+for kind, blob, weights in ((3, q41, [0.5 * v - 2.0 for v in u]), (8, q80, [0.25 * v for v in w8]), (12, q4k, k4)):
     y = (ctypes.c_float * rows)()
     parts, part_rows = (ctypes.c_char_p * 1)(blob), (ctypes.c_int64 * 1)(1)
-    if lib.gguf_linear(kind, q, d, s, rows, K, parts, part_rows, 1, 0, 1, y, 1):
+    if lib.gguf_linear(kind, q, d, s, s16, rows, K, parts, part_rows, 1, 0, 1, y, 1, 0, None, 1):
         sys.exit("gguf_linear refused its arguments")
     want = [sum(a * b for a, b in zip(row, weights)) for row in xs]
     if list(y) != want:
         sys.exit(f"wrong result for type {kind}: {list(y)} against {want}")
-    out = (ctypes.c_float * K)()
-    if lib.gguf_dequantize(kind, blob, len(blob), 0, 1, K, out, K) or list(out) != weights:
+    y = (ctypes.c_float * rows)()  # the same from x, quantized by the call
+    if lib.gguf_linear_x(kind, x, 0, K, rows, K, parts, part_rows, 1, 0, 1, y, 1, 0, None, 1) or list(y) != want:
+        sys.exit(f"wrong result from x for type {kind}: {list(y)} against {want}")
+    out = floats(K)
+    if lib.gguf_dequantize(kind, blob, len(blob), 0, 1, K, out, K, 0, 1) or list(out) != weights:
         sys.exit(f"wrong dequantized row for type {kind}")
+f16 = b"".join(half(v) for v in k4)
+y = (ctypes.c_float * rows)()
+if lib.gguf_linear_f16(x, rows, K, K, (ctypes.c_char_p * 1)(f16), (ctypes.c_int64 * 1)(1), 1, 0, 1, y, 1, 0, None, 1) \\
+        or list(y) != [sum(a * b for a, b in zip(row, k4)) for row in xs]:
+    sys.exit(f"wrong F16 result: {list(y)}")
 """
 
 
@@ -77,15 +113,15 @@ def row_bytes(qtype: int, in_features: int) -> int:
 
 
 @functools.cache
-def native_library() -> tuple[ctypes.CDLL | None, str]:
-    """The compiled kernels and a line saying where they came from, or (None, why not)."""
-    library, origin = build_native(SOURCE, SELF_TEST, (QUANTIZE_SIGNATURE, LINEAR_SIGNATURE, DEQUANTIZE_SIGNATURE))
+def native_library(flags: tuple[str, ...] = FLAGS) -> tuple[ctypes.CDLL | None, str]:
+    """The compiled kernels and a line saying where they came from, or (None, why not). `flags`: the compiler's
+    (the tests build the AVX2 code on an AVX-512 machine too)."""
+    library, origin = build_native(SOURCE, SELF_TEST, tuple(SIGNATURES.values()), flags)
     if library is None:
         return None, origin
     types = {"p": ctypes.c_void_p, "i": ctypes.c_int, "q": ctypes.c_int64}
-    for function, signature in ((library.gguf_quantize_rows, QUANTIZE_SIGNATURE),
-                                (library.gguf_linear, LINEAR_SIGNATURE),
-                                (library.gguf_dequantize, DEQUANTIZE_SIGNATURE)):
+    for name, signature in SIGNATURES.items():
+        function = getattr(library, name)
         function.restype = ctypes.c_int
         function.argtypes = [types[code] for code in signature]
     return library, origin
@@ -103,6 +139,11 @@ def path() -> str:
     return native_library()[1]
 
 
+def float_view(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Rows of a float type's bytes (N, K * size) as the (N, K) values they are, sharing their memory."""
+    return blocks.view(FLOAT_TYPES[qtype])
+
+
 # ------------------------------------------------------------------------------------------------ references
 
 
@@ -111,31 +152,68 @@ def _halves(raw: torch.Tensor) -> torch.Tensor:
     return raw.contiguous().view(torch.float16).float().squeeze(-1)
 
 
+def _k4_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's 12 bytes (..., 12) int -> the 6-bit scales and mins of their 8 sub-blocks (..., 8)."""
+    low, high, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat([low & 63, (rest & 15) | ((low >> 6) << 4)], dim=-1)
+    mins = torch.cat([high & 63, (rest >> 4) | ((high >> 6) << 4)], dim=-1)
+    return sc, mins
+
+
+def _per_weight(values: torch.Tensor, n: int) -> torch.Tensor:
+    """(N, blocks, groups) per group of weights -> (N, K / 32, 32), each value repeated over its group."""
+    groups = values.shape[-1]
+    return values.reshape(n, -1, groups, 1).expand(-1, -1, -1, 256 // groups).reshape(n, -1, 32)
+
+
+def _two_bit_levels(qs: torch.Tensor, n: int) -> torch.Tensor:
+    """Q2_K's and Q3_K's 64 bytes of 2-bit levels (N, S, 64) -> (N, S, 2, 4, 32): weight 128c + 32s + l at
+    [c, s, l], bits 2s and 2s + 1 of byte 32c + l."""
+    shifts = (2 * torch.arange(4, dtype=torch.int32)).view(1, 1, 1, 4, 1)
+    return (qs.reshape(n, -1, 2, 1, 32) >> shifts) & 3
+
+
 def levels_reference(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """blocks uint8 (N, row_bytes) -> (levels int32, scale fp32, offset fp32), each (N, K / 32, 32): w = scale *
-    level + offset per weight (gguf_blocks.c has the formats; Q8_0's and Q6_K's levels are signed)."""
+    """blocks uint8 (N, row_bytes) of a block type -> (levels int32, scale fp32, offset fp32), each (N, K / 32,
+    32): w = scale * level + offset per weight (gguf_blocks.c has the formats; Q8_0's and Q6_K's levels are
+    signed here)."""
     n = blocks.shape[0]
     raw = blocks.reshape(n, -1, TYPES[qtype][2])
-    if qtype == 12:  # Q4_K: 8 sub-blocks of 32, 6-bit scales and mins
-        d, dmin, packed = _halves(raw[..., 0:2]), _halves(raw[..., 2:4]), raw[..., 4:16].int()
-        low, high = packed[..., 0:4], packed[..., 4:8]
-        sc = torch.cat([low & 63, (packed[..., 8:12] & 15) | ((low >> 6) << 4)], dim=-1)
-        mins = torch.cat([high & 63, (packed[..., 8:12] >> 4) | ((high >> 6) << 4)], dim=-1)
-        nibbles = raw[..., 16:].int().reshape(n, -1, 4, 1, 32)
-        levels = torch.cat([nibbles & 15, nibbles >> 4], dim=3).reshape(n, -1, 32)
-        scale = (d[..., None] * sc.float()).reshape(n, -1, 1).expand(-1, -1, 32)
-        offset = (-(dmin[..., None] * mins.float())).reshape(n, -1, 1).expand(-1, -1, 32)
-        return levels, scale, offset
+    if qtype == 10:  # Q2_K: 16 groups of 16, 4-bit scales and mins
+        scales = raw[..., :16].int()
+        levels = _two_bit_levels(raw[..., 16:80].int(), n).reshape(n, -1, 32)
+        d, dmin = _halves(raw[..., 80:82]), _halves(raw[..., 82:84])
+        scale, offset = d[..., None] * (scales & 15).float(), -(dmin[..., None] * (scales >> 4).float())
+        return levels, _per_weight(scale, n), _per_weight(offset, n)
+    if qtype == 11:  # Q3_K: 16 groups of 16, 6-bit signed scales, a third bit adding 4
+        high = raw[..., :32].int().reshape(n, -1, 1, 1, 32)
+        bit = torch.arange(8, dtype=torch.int32).view(1, 1, 2, 4, 1)  # bit 4c + s for weight 128c + 32s + l
+        levels = (_two_bit_levels(raw[..., 32:96].int(), n) | ((high >> bit) & 1) << 2).reshape(n, -1, 32)
+        packed = raw[..., 96:108].int()
+        low4 = torch.cat([packed[..., :8] & 15, packed[..., :8] >> 4], dim=-1)
+        top2 = (packed[..., None, 8:12] >> (2 * torch.arange(4, dtype=torch.int32)).view(4, 1)) & 3  # [g / 4, g % 4]
+        scale = _halves(raw[..., 108:110])[..., None] * ((low4 | top2.reshape(n, -1, 16) << 4) - 32).float()
+        return levels, _per_weight(scale, n), _per_weight(-4.0 * scale, n)
+    if qtype in (12, 13):  # Q4_K, Q5_K: 8 sub-blocks of 32, 6-bit scales and mins
+        d, dmin = _halves(raw[..., 0:2]), _halves(raw[..., 2:4])
+        sc, mins = _k4_scales(raw[..., 4:16].int())
+        nibbles = raw[..., 16:144] if qtype == 12 else raw[..., 48:176]
+        nibbles = nibbles.int().reshape(n, -1, 4, 1, 32)
+        levels = torch.cat([nibbles & 15, nibbles >> 4], dim=3).reshape(n, -1, 8, 32)
+        if qtype == 13:  # bit j of byte l of the high bits: bit 4 of weight 32j + l
+            high = raw[..., 16:48].int().reshape(n, -1, 1, 32)
+            levels = levels | ((high >> torch.arange(8, dtype=torch.int32).view(1, 1, 8, 1)) & 1) << 4
+        scale, offset = d[..., None] * sc.float(), -(dmin[..., None] * mins.float())
+        return levels.reshape(n, -1, 32), _per_weight(scale, n), _per_weight(offset, n)
     if qtype == 14:  # Q6_K: two halves of 128, 16 int8 scales of 16 weights
         low = raw[..., :128].int().reshape(n, -1, 2, 2, 32)  # (half, which 32 of its 64 bytes, l)
         high = raw[..., 128:192].int().reshape(n, -1, 2, 1, 32)
         fours = torch.stack([low[..., 0, :] & 15, low[..., 1, :] & 15, low[..., 0, :] >> 4, low[..., 1, :] >> 4], 3)
         twos = (high >> (2 * torch.arange(4, dtype=torch.int32)).view(1, 1, 1, 4, 1)) & 3
         levels = ((fours | (twos << 4)) - 32).reshape(n, -1, 32)
-        scales = raw[..., 192:208].contiguous().view(torch.int8).float().reshape(n, -1, 2, 8)
-        scale = (_halves(raw[..., 208:210])[..., None, None] * scales).reshape(n, -1, 2, 8)
-        scale = scale.reshape(n, -1, 2, 4, 2, 1).expand(-1, -1, -1, -1, -1, 16).reshape(n, -1, 32)
-        return levels, scale, torch.zeros_like(scale)
+        scales = raw[..., 192:208].contiguous().view(torch.int8).float()
+        scale = _halves(raw[..., 208:210])[..., None] * scales
+        return levels, _per_weight(scale, n), torch.zeros(n, levels.shape[1], 32)
     scale = _halves(raw[..., 0:2])
     if qtype == 8:
         levels = raw[..., 2:].contiguous().view(torch.int8).int()
@@ -157,30 +235,37 @@ def levels_reference(blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, to
 
 
 def dequantize_reference(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """blocks uint8 (N, row_bytes) -> fp32 weights (N, K): scale * level + offset, rounded once."""
+    """blocks uint8 (N, row_bytes) -> fp32 weights (N, K): scale * level + offset, rounded once (the float types:
+    their values, widened)."""
+    if qtype in FLOAT_TYPES:
+        return float_view(blocks, qtype).float()
     levels, scale, offset = levels_reference(blocks, qtype)
     weights = torch.addcmul(offset.double(), levels.double(), scale.double()).float()
     return weights.reshape(blocks.shape[0], -1)
 
 
-def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x fp32 (R, K) -> (q int8 (R, K / 32, 32), d (R, K / 32), s (R, K / 32)): d = max |x| / 127 per block, q =
-    x / d rounded to nearest (ties to even), s = d * sum(q)."""
+def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x fp32 (R, K) -> (q int8 (R, K / 32, 32), d (R, K / 32), s (R, K / 32), s16 (R, K / 16)): d = max |x| / 127
+    per block, q = x / d rounded to nearest (ties to even), s = d * sum(q), s16 the same per 16."""
     blocks = x.float().reshape(x.shape[0], -1, BLOCK)
     d = blocks.abs().amax(dim=-1) / 127.0
     inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(blocks * inverse[..., None]).to(torch.int8)
-    return q, d, d * q.sum(dim=-1, dtype=torch.int32).float()
+    sums16 = q.reshape(x.shape[0], -1, 2, 16).sum(dim=-1, dtype=torch.int32).float()
+    return q, d, d * sums16.sum(dim=-1), (d[..., None] * sums16).reshape(x.shape[0], -1)
 
 
 def linear_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """x (..., K) against the blocks (N, row_bytes) as the kernel computes it: the activations in int8 blocks
-    (`quantize_activations_reference`) against the weights, summed exactly (in double) -> (..., N) fp32."""
+    (`quantize_activations_reference`; the float types: as they are) against the weights, summed exactly (in
+    double) -> (..., N) fp32."""
     flat = x.reshape(-1, x.shape[-1]).float()
-    q, d, _ = quantize_activations_reference(flat)
-    rounded = (q.double() * d[..., None].double()).reshape(flat.shape)
-    levels, scale, offset = levels_reference(blocks, qtype)
-    weights = torch.addcmul(offset.double(), levels.double(), scale.double()).reshape(blocks.shape[0], -1)
+    if qtype in FLOAT_TYPES:
+        rounded = flat.double()
+    else:
+        q, d, _, _ = quantize_activations_reference(flat)
+        rounded = (q.double() * d[..., None].double()).reshape(flat.shape)
+    weights = dequantize_reference(blocks, qtype).double()
     return (rounded @ weights.T).float().reshape(*x.shape[:-1], blocks.shape[0])
 
 
@@ -188,7 +273,7 @@ def activation_error_bound(x: torch.Tensor, blocks: torch.Tensor, qtype: int) ->
     """How far `linear_reference` may be from the exact product x @ W.T: each activation is moved by at most half
     its block's step d / 2, so an output moves by at most sum over k of |w_k| * d_k / 2 (fp32 rounding aside)."""
     flat = x.reshape(-1, x.shape[-1]).float()
-    _, d, _ = quantize_activations_reference(flat)
+    _, d, _, _ = quantize_activations_reference(flat)
     step = d.repeat_interleave(BLOCK, dim=-1) / 2  # (R, K)
     return (step @ dequantize_reference(blocks, qtype).abs().T).reshape(*x.shape[:-1], blocks.shape[0])
 
@@ -204,63 +289,143 @@ def _check(blocks: torch.Tensor, qtype: int, in_features: int) -> None:
         raise ValueError(f"not {TYPES[qtype][0]} rows of {in_features} weights: {tuple(blocks.shape)} {blocks.dtype}")
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _threads(n: int, k: int) -> int:
+    """Threads for N outputs of K inputs: torch's thread count, fewer for small layers (as cpu_linear's kernels:
+    a hand-off costs more than a share of a small layer computes)."""
+    return min(torch.get_num_threads(), max(1, n * k // cpu_linear.THREAD_MIN_WEIGHTS), n // 64 or 1)
+
+
+class Matrices:
+    """One or more matrices of one ggml type whose output rows follow one another (a fused layer), with what the
+    kernel takes for them made once (a decode step calls it per layer and token). Their N outputs go to columns
+    `columns` (int64 (N,)) of rows `width` wide (a layer's outputs reordered, or several runs of types side by
+    side); by default to columns 0 .. N - 1."""
+
+    def __init__(self, parts: list[torch.Tensor], qtype: int, in_features: int, columns: torch.Tensor | None = None,
+                 width: int | None = None):
+        for part in parts:
+            _check(part, qtype, in_features)
+        self.parts, self.qtype, self.in_features = parts, qtype, in_features
+        self.out_features = sum(part.shape[0] for part in parts)
+        self.width = self.out_features if width is None else width
+        if columns is not None:
+            columns = columns.to(torch.int64).contiguous()
+            if columns.shape != (self.out_features,) or columns.min() < 0 or columns.max() >= self.width:
+                raise ValueError(f"not {self.out_features} columns of rows {self.width} wide: {tuple(columns.shape)}")
+        elif self.width < self.out_features:
+            raise ValueError(f"{self.out_features} outputs do not fit rows {self.width} wide")
+        self.columns = columns
+        self.pointers = (ctypes.c_void_p * len(parts))(*[part.data_ptr() for part in parts])
+        self.part_rows = (ctypes.c_int64 * len(parts))(*[part.shape[0] for part in parts])
+
+
+def quantize_activations(x: torch.Tensor, library: ctypes.CDLL | None = None) -> tuple[torch.Tensor, ...]:
     """`quantize_activations_reference` by the C kernel, x fp32 (R, K) with unit stride along K."""
     rows, k = x.shape
     q = torch.empty(rows, k, dtype=torch.int8)
-    d, s = torch.empty(rows, k // BLOCK), torch.empty(rows, k // BLOCK)
-    if native_library()[0].gguf_quantize_rows(x.data_ptr(), rows, x.stride(0), k, q.data_ptr(), d.data_ptr(),
-                                              s.data_ptr()):
+    d, s, s16 = torch.empty(rows, k // BLOCK), torch.empty(rows, k // BLOCK), torch.empty(rows, k // 16)
+    if (library or native_library()[0]).gguf_quantize_rows(x.data_ptr(), rows, x.stride(0), k, q.data_ptr(),
+                                                           d.data_ptr(), s.data_ptr(), s16.data_ptr()):
         raise ValueError(f"activations of width {k} are not whole blocks of {BLOCK}")
-    return q, d, s
+    return q, d, s, s16
 
 
-def linear(x: torch.Tensor, blocks: torch.Tensor | list[torch.Tensor], qtype: int,
-           activations: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, blocks: torch.Tensor | list[torch.Tensor] | Matrices, qtype: int,
+           activations: tuple[torch.Tensor, ...] | None = None, library: ctypes.CDLL | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """`linear_reference` by the C kernel (which must have built: `kernel_runs`), split over torch's threads.
-    blocks: one matrix, or several of the same type whose output rows follow one another (a fused layer: one call
-    for all). `activations`: x already quantized (`quantize_activations`)."""
+    blocks: one matrix, several of the same type whose output rows follow one another (a fused layer: one call
+    for all), or those as `Matrices`. `activations`: x already quantized (`quantize_activations`); else the kernel
+    quantizes x itself (fp32 or bf16 rows). -> (..., width) fp32, or `out` (R, width) fp32 or bf16 written into:
+    the outputs in the matrices' columns (`Matrices`), the others untouched."""
     flat = x.reshape(-1, x.shape[-1])
     rows, k = flat.shape
-    parts = blocks if isinstance(blocks, list) else [blocks]
-    for part in parts:
-        _check(part, qtype, k)
-    if activations is None:
-        activations = quantize_activations(flat.float().contiguous())
-    q, d, s = activations
-    n = sum(part.shape[0] for part in parts)
-    y = torch.empty(rows, n)
-    pointers = (ctypes.c_void_p * len(parts))(*[part.data_ptr() for part in parts])
-    part_rows = (ctypes.c_int64 * len(parts))(*[part.shape[0] for part in parts])
-    library = native_library()[0]
-    run_in_threads(lambda first, end: library.gguf_linear(qtype, q.data_ptr(), d.data_ptr(), s.data_ptr(), rows, k,
-                                                          pointers, part_rows, len(parts), first, end, y.data_ptr(),
-                                                          n), rows, n, k)
-    return y.reshape(*x.shape[:-1], n)
+    matrices = blocks if isinstance(blocks, Matrices) else \
+        Matrices(blocks if isinstance(blocks, list) else [blocks], qtype, k)
+    if matrices.qtype != qtype or matrices.in_features != k:
+        raise ValueError(f"{TYPES[matrices.qtype][0]} matrices of {matrices.in_features} inputs, not {qtype}/{k}")
+    n, columns = matrices.out_features, matrices.columns
+    y = torch.empty(rows, matrices.width) if out is None else out
+    if y.dtype not in (torch.float32, torch.bfloat16) or y.shape != (rows, matrices.width) or y.stride(1) != 1:
+        raise ValueError(f"no fp32 or bf16 rows ({rows}, {matrices.width}) for the outputs: {tuple(y.shape)} {y.dtype}")
+    if qtype in (0, 30):  # F32 as torch has it; BF16 by cpu_linear's kernel
+        x32 = flat.float()
+        product = torch.cat([F.linear(x32, float_view(part, qtype)) if qtype == 0 or not cpu_linear.kernel_runs()
+                             else cpu_linear.linear_bf16(x32, float_view(part, qtype)) for part in matrices.parts], -1)
+        if columns is None:
+            y[:, :n] = product
+        else:
+            y.index_copy_(1, columns, product.to(y.dtype))
+        return y if out is not None else y.reshape(*x.shape[:-1], matrices.width)
+    library = library or native_library()[0]
+    where = (y.data_ptr(), y.stride(0), y.dtype == torch.bfloat16, None if columns is None else columns.data_ptr(),
+             _threads(n, k))
+    if qtype == 1:
+        x32 = flat.float().contiguous()
+        status = library.gguf_linear_f16(x32.data_ptr(), rows, k, k, matrices.pointers, matrices.part_rows,
+                                         len(matrices.parts), 0, n, *where)
+    elif activations is not None:
+        q, d, s, s16 = activations
+        status = library.gguf_linear(qtype, q.data_ptr(), d.data_ptr(), s.data_ptr(), s16.data_ptr(), rows, k,
+                                     matrices.pointers, matrices.part_rows, len(matrices.parts), 0, n, *where)
+    else:
+        if flat.dtype not in (torch.float32, torch.bfloat16) or flat.stride(1) != 1:
+            flat = flat.float().contiguous()
+        status = library.gguf_linear_x(qtype, flat.data_ptr(), flat.dtype == torch.bfloat16, flat.stride(0), rows,
+                                       k, matrices.pointers, matrices.part_rows, len(matrices.parts), 0, n, *where)
+    if status:
+        raise ValueError("the GGUF block kernel refused its arguments")
+    return y if out is not None else y.reshape(*x.shape[:-1], matrices.width)
 
 
-def dequantize(blocks: torch.Tensor, qtype: int, in_features: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`dequantize_reference` by the C kernel (into `out`, fp32 (N, K), when given), split over torch's threads."""
+def dequantize(blocks: torch.Tensor, qtype: int, in_features: int, out: torch.Tensor | None = None,
+               library: ctypes.CDLL | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`dequantize_reference` by the C kernel, in fp32 or bf16 (`dtype`, or out's: (N, K) rows, given or made),
+    split over torch's threads; the float types converted by torch."""
     _check(blocks, qtype, in_features)
     n = blocks.shape[0]
-    out = torch.empty(n, in_features) if out is None else out
-    library = native_library()[0]
-    run_in_threads(lambda first, end: library.gguf_dequantize(qtype, blocks.data_ptr(), blocks.shape[1], first, end,
-                                                              in_features, out[first:].data_ptr(), in_features),
-                   1, n, in_features)
+    out = torch.empty(n, in_features, dtype=dtype) if out is None else out
+    if out.dtype not in (torch.float32, torch.bfloat16) or out.shape != (n, in_features) or out.stride(1) != 1:
+        raise ValueError(f"no fp32 or bf16 rows of {in_features} for the weights: {tuple(out.shape)} {out.dtype}")
+    if qtype in FLOAT_TYPES:
+        return out.copy_(float_view(blocks, qtype))
+    library = library or native_library()[0]
+    if library.gguf_dequantize(qtype, blocks.data_ptr(), blocks.shape[1], 0, n, in_features, out.data_ptr(),
+                               out.stride(0), out.dtype == torch.bfloat16, _threads(n, in_features)):
+        raise ValueError("the GGUF block kernel refused its arguments")
     return out
+
+
+_scratch = threading.local()
+
+
+def _scratch_rows(rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """A thread's buffer for dequantized slices, kept between calls: fresh pages cost more than the
+    dequantization (8192x2048 to fp32: ~60 ms faulting them in, ~7 ms into a buffer used before)."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.numel() < rows * columns:
+        buffer = buffers[dtype] = torch.empty(rows * columns, dtype=dtype)
+    return buffer[: rows * columns].view(rows, columns)
 
 
 def matmul_dequantized(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: int,
                        chunk_bytes: int = 64 << 20) -> torch.Tensor:
-    """x (R, K) @ W.T for many rows: W dequantized a slice of rows at a time (at most `chunk_bytes` of fp32),
-    multiplied in x's dtype -> (R, N) in x's dtype."""
+    """x (R, K) @ W.T for many rows: W dequantized a slice of rows at a time (at most `chunk_bytes` of fp32; in x's
+    dtype where that is bf16), multiplied in x's dtype -> (R, N) in x's dtype. A float type in x's dtype is
+    multiplied as it lies."""
+    if FLOAT_TYPES.get(qtype) == x.dtype:
+        return F.linear(x, float_view(blocks, qtype))
     n = blocks.shape[0]
-    y = torch.empty(x.shape[0], n, dtype=x.dtype)
     step = max(64, chunk_bytes // (4 * in_features))
     native = kernel_runs()
+    into = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    parts = []
     for first in range(0, n, step):
         part = blocks[first : first + step]
-        w = dequantize(part, qtype, in_features) if native else dequantize_reference(part, qtype)
-        y[:, first : first + part.shape[0]] = x @ w.to(x.dtype).T
-    return y
+        if native:
+            w = dequantize(part, qtype, in_features, _scratch_rows(part.shape[0], in_features, into))
+        else:
+            w = dequantize_reference(part, qtype)
+        parts.append(x @ w.to(x.dtype).T)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)

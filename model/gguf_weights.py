@@ -2,10 +2,11 @@
 file and the layers compute on them (`kernels.gguf_blocks`), instead of a dequantized copy of the whole model.
 
 `BlockLinear` stands in for an nn.Linear whose output rows are one or more tensors of the file one after another
-(the engine fuses Q, K and V, and gate and up): each part is either rows of blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
-or, for the file's other types, a dense weight dequantized at load. llama.cpp's converter stores the rows of Q and
-K permuted for its interleaved rotary embedding; the blocks cannot be reordered in place, so the layer reorders its
-outputs instead (`order`). `BlockEmbedding` dequantizes the rows of the tokens it is given.
+(the engine fuses Q, K and V, and gate and up): each part is either the file's rows as they lie (blocks of Q4_0,
+Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K, or plain F32, F16 and BF16 values: `gguf_blocks.TYPES`) or, for the file's
+other types, a dense weight dequantized at load. llama.cpp's converter stores the rows of Q and K permuted for its
+interleaved rotary embedding; the rows cannot be reordered in place, so the layer reorders its outputs instead
+(`order`). `BlockEmbedding` dequantizes the rows of the tokens it is given.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ BLOCK_ROWS = 8
 
 
 class WeightPart:
-    """Output rows of a BlockLinear: GGUF blocks (uint8 (N, row_bytes) of ggml type `qtype`) or a dense weight."""
+    """Output rows of a BlockLinear: the file's rows (uint8 (N, row_bytes) of ggml type `qtype`) or a dense
+    weight."""
 
     def __init__(self, in_features: int, blocks: torch.Tensor | None = None, qtype: int | None = None,
                  dense: torch.Tensor | None = None):
@@ -47,42 +49,63 @@ class BlockLinear(nn.Module):
                  order: torch.Tensor | None = None):
         super().__init__()
         self.parts = parts
-        self.groups: list[list[WeightPart]] = []  # consecutive parts of the same block type (dense: alone)
+        runs: list[list[WeightPart]] = []  # consecutive parts of the same type (dense: alone)
         for part in parts:
-            if self.groups and part.dense is None and self.groups[-1][0].dense is None \
-                    and self.groups[-1][0].qtype == part.qtype:
-                self.groups[-1].append(part)
+            if runs and part.dense is None and runs[-1][0].dense is None and runs[-1][0].qtype == part.qtype:
+                runs[-1].append(part)
             else:
-                self.groups.append([part])
+                runs.append([part])
+        # each run of the file's rows as the kernel takes it, made once (a decode step calls it per layer), and the
+        # columns its outputs land in after the reordering (a decode step writes them there)
         self.in_features = in_features
         self.out_features = sum(part.rows for part in parts)
+        where = torch.argsort(order) if order is not None else torch.arange(self.out_features)
+        self.groups, first = [], 0
+        for run in runs:
+            rows = sum(part.rows for part in run)
+            columns = None if order is None and len(runs) == 1 else where[first : first + rows].contiguous()
+            matrices = None if run[0].dense is not None else \
+                gguf_blocks.Matrices([part.blocks for part in run], run[0].qtype, in_features, columns,
+                                     self.out_features)
+            self.groups.append((run, matrices, columns))
+            first += rows
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.register_buffer("order", order, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        on_blocks = flat.shape[0] <= BLOCK_ROWS and gguf_blocks.kernel_runs()
-        activations = None
-        if on_blocks and any(part.dense is None for part in self.parts):
-            flat32 = flat.float().contiguous()
-            activations = gguf_blocks.quantize_activations(flat32)
-        outputs = []
-        for group in self.groups:  # runs of parts of one block type go to the kernel in one call
-            first = group[0]
-            if first.dense is not None:
-                outputs.append(F.linear(flat, first.dense.to(flat.dtype)))
-            elif on_blocks:
-                outputs.append(gguf_blocks.linear(flat32, [part.blocks for part in group], first.qtype,
-                                                  activations).to(flat.dtype))
-            else:
-                outputs += [gguf_blocks.matmul_dequantized(flat, part.blocks, part.qtype, self.in_features)
-                            for part in group]
-        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
-        if self.order is not None:
-            y = y.index_select(-1, self.order)
+        if flat.shape[0] <= BLOCK_ROWS and gguf_blocks.kernel_runs():
+            y = self._decode(flat)
+        else:
+            outputs = []
+            for run, matrices, _ in self.groups:
+                if matrices is None:
+                    outputs.append(F.linear(flat, run[0].dense.to(flat.dtype)))
+                else:
+                    outputs += [gguf_blocks.matmul_dequantized(flat, part.blocks, part.qtype, self.in_features)
+                                for part in run]
+            y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+            if self.order is not None:
+                y = y.index_select(-1, self.order)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _decode(self, flat: torch.Tensor) -> torch.Tensor:
+        """A few rows on the file's rows: each run's kernel quantizes the rows and writes its outputs, in the
+        model's dtype, into their columns (the reordering done by where they go)."""
+        y = torch.empty(flat.shape[0], self.out_features, dtype=flat.dtype)
+        into = y if y.dtype in (torch.float32, torch.bfloat16) else torch.empty_like(y, dtype=torch.float32)
+        for run, matrices, columns in self.groups:
+            if matrices is None:
+                product = F.linear(flat, run[0].dense.to(flat.dtype)).to(into.dtype)
+                if columns is None:
+                    into.copy_(product)
+                else:
+                    into.index_copy_(1, columns, product)
+            else:
+                gguf_blocks.linear(flat, matrices, matrices.qtype, out=into)
+        return into if into is y else y.copy_(into)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
@@ -100,6 +123,8 @@ class BlockEmbedding(nn.Module):
         ids = tokens.reshape(-1)
         if self.part.dense is not None:
             rows = self.part.dense.index_select(0, ids)
+        elif self.part.qtype in gguf_blocks.FLOAT_TYPES:
+            rows = gguf_blocks.float_view(self.part.blocks, self.part.qtype).index_select(0, ids)
         else:
             picked = self.part.blocks.index_select(0, ids)
             rows = (gguf_blocks.dequantize(picked, self.part.qtype, self.dim) if gguf_blocks.kernel_runs()

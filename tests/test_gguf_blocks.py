@@ -1,39 +1,48 @@
 """The GGUF block kernels (kernels/gguf_blocks.c) against their torch references (kernels/gguf_blocks.py), and the
-references against the `gguf` package: blocks made by gguf's own quantizer, shapes that are awkward for the
-kernels (one output row, output counts that do not divide the threads' split, 1 to 9 activation rows, not a
-multiple of the 4 rows a pass takes), zero blocks, extreme values."""
+references against the `gguf` package: blocks made by gguf's own quantizer (random blocks for the K-quants, which it
+cannot make), shapes that are awkward for the kernels (one output row, output counts that do not divide the
+threads' split, 1 to 9 activation rows, not a multiple of the 4 rows a pass takes, rows of blocks that are not
+whole groups of 8), zero blocks, extreme values; the kernels built for AVX2 alone too (without VNNI, and AVX-512
+without GFNI); a decode step's layer in one call (its rows quantized in the call, its outputs written in the model's
+dtype where the layer's order puts them); and the float types' rows used where they lie."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from indexpool.kernels import gguf_blocks
 
-TYPES = {name: GGMLQuantizationType[name].value for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")}
-K_QUANTS = ("Q4_K", "Q6_K")  # gguf's quantizer does not make these: random blocks with plausible scales
+TYPES = {name: GGMLQuantizationType[name].value
+         for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                      "Q6_K")}
+QUANTIZED = [name for name, qtype in TYPES.items() if qtype not in gguf_blocks.FLOAT_TYPES]
+# where a K-quant block keeps its fp16 d (and dmin): gguf's quantizer does not make these, so the tests write random
+# blocks with plausible scales there
+K_QUANTS = {"Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
 needs_kernel = pytest.mark.skipif(not gguf_blocks.kernel_runs(),
                                   reason=f"the GGUF block kernels do not run here: {gguf_blocks.path()}")
 
 
 def blocks_of(weight: np.ndarray, name: str) -> torch.Tensor:
-    """The weight quantized by the gguf package, as the rows of uint8 blocks a GGUF file holds; for the K-quants,
-    random blocks of its shape (every level, scale and min bit pattern; fp16 scales of 1e-3..1, signs mixed)."""
+    """The weight quantized by the gguf package, as the rows of bytes a GGUF file holds; for the K-quants, random
+    blocks of its shape (every level, scale and min bit pattern; fp16 scales of 1e-3..1, signs mixed)."""
+    n, k = weight.shape
     if name in K_QUANTS:
-        rng = np.random.default_rng(weight.shape[0] * 7919 + weight.shape[1])
-        n, k = weight.shape
-        size = {"Q4_K": 144, "Q6_K": 210}[name]
+        rng = np.random.default_rng(n * 7919 + k)
+        size = GGML_QUANT_SIZES[GGMLQuantizationType[name]][1]
         raw = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
         scales = (rng.uniform(1e-3, 1, size=(n, k // 256, 2)) * rng.choice([-1, 1], size=(n, k // 256, 2)))
-        at = 0 if name == "Q4_K" else 208  # d (and Q4_K's dmin after it)
-        raw[..., at : at + 2] = scales[..., :1].astype(np.float16).view(np.uint8)
-        if name == "Q4_K":
-            raw[..., 2:4] = np.abs(scales[..., 1:]).astype(np.float16).view(np.uint8)
+        d, dmin = K_QUANTS[name]
+        raw[..., d : d + 2] = scales[..., :1].astype(np.float16).view(np.uint8)
+        if dmin is not None:
+            raw[..., dmin : dmin + 2] = np.abs(scales[..., 1:]).astype(np.float16).view(np.uint8)
         return torch.from_numpy(raw.reshape(n, -1))
-    return torch.from_numpy(np.ascontiguousarray(quantize(weight, GGMLQuantizationType[name])))
+    rows = np.ascontiguousarray(quantize(weight, GGMLQuantizationType[name]))
+    return torch.from_numpy(rows.view(np.uint8).reshape(n, -1))
 
 
 def weight(n: int, k: int, seed: int) -> np.ndarray:
@@ -45,30 +54,37 @@ def weight(n: int, k: int, seed: int) -> np.ndarray:
     return w
 
 
-def widths(name: str, widths: list[int]) -> list[int]:
-    """The input widths of a test, in whole blocks of the type (256 for the K-quants)."""
-    return [w * 8 if name in K_QUANTS else w for w in widths]
+def width(name: str, k: int) -> int:
+    """An input width of a test in whole blocks of the type (K-quants: 256 weights for each 32 of the others)."""
+    return k * 8 if name in K_QUANTS else k
+
+
+def gguf_dequantized(blocks: torch.Tensor, name: str) -> torch.Tensor:
+    values = dequantize(blocks.numpy(), GGMLQuantizationType[name])
+    return torch.from_numpy(np.asarray(values, dtype=np.float32)).reshape(blocks.shape[0], -1)
 
 
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("n, k", [(1, 32), (3, 96), (67, 160), (130, 64)])
 def test_the_reference_dequantizes_as_the_gguf_package_does(name, n, k):
-    k = widths(name, [k])[0]
-    w = weight(n, k, seed=n + k)
-    blocks = blocks_of(w, name)
-    ours = gguf_blocks.dequantize_reference(blocks, TYPES[name])
-    theirs = torch.from_numpy(np.asarray(dequantize(blocks.numpy(), GGMLQuantizationType[name]), dtype=np.float32))
-    # ours rounds d * u + m once; gguf rounds d * u, then adds m: half an ulp of d * u apart at most
+    k = width(name, k)
+    blocks = blocks_of(weight(n, k, seed=n + k), name)
+    ours, theirs = gguf_blocks.dequantize_reference(blocks, TYPES[name]), gguf_dequantized(blocks, name)
+    assert ours.shape == (n, k)
+    if name not in QUANTIZED:  # the values themselves, widened
+        assert torch.equal(ours, theirs)
+        return
+    # ours rounds scale * u + offset once; gguf rounds scale * u, then adds the offset: half an ulp of the product
+    # apart at most
     levels, scale, _ = gguf_blocks.levels_reference(blocks, TYPES[name])
     product = (levels.double() * scale.double()).abs().reshape(n, k)
     assert ((ours.double() - theirs.double()).abs() <= 2.0 ** -24 * (product + theirs.double().abs())).all()
 
 
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", QUANTIZED)
 def test_the_linear_reference_stays_within_the_activations_rounding(name):
-    (k,) = widths(name, [128])
-    w = weight(40, k, seed=3)
-    blocks = blocks_of(w, name)
+    k = width(name, 128)
+    blocks = blocks_of(weight(40, k, seed=3), name)
     x = torch.randn(5, k) * torch.linspace(0.1, 10, k)
     exact = x.double() @ gguf_blocks.dequantize_reference(blocks, TYPES[name]).double().T
     got = gguf_blocks.linear_reference(x, blocks, TYPES[name])
@@ -88,38 +104,161 @@ def test_activation_blocks_match_the_reference():
             torch.allclose(got.reshape(want.shape), want, rtol=1e-6, atol=0)
 
 
-@needs_kernel
-@pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("n, k, rows", [(1, 32, 1), (3, 64, 2), (67, 160, 3), (130, 96, 4), (257, 256, 5),
-                                        (9, 2048, 9)])
-def test_the_kernel_matches_its_reference(name, n, k, rows):
-    (k,) = widths(name, [k])
+def assert_linear_matches(name: str, n: int, k: int, rows: int, library=None) -> None:
     blocks = blocks_of(weight(n, k, seed=n * k), name)
-    x = torch.randn(rows, k) * 2
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n + k)) * 2
     want = gguf_blocks.linear_reference(x, blocks, TYPES[name]).double()
-    got = gguf_blocks.linear(x, blocks, TYPES[name]).double()
-    # the same integer sums; the fp32 scaling and summation orders differ: a few ulps of the sum of |terms|
+    got = gguf_blocks.linear(x, blocks, TYPES[name], library=library).double()
+    # the same integer sums (the float types: the same products); the fp32 scaling and summation orders differ: a
+    # few ulps of the sum of |terms|
     scale = (x.double().abs() @ gguf_blocks.dequantize_reference(blocks, TYPES[name]).double().abs().T)
     assert ((got - want).abs() <= scale * 2e-6 + 1e-6).all()
 
 
 @needs_kernel
 @pytest.mark.parametrize("name", TYPES)
-def test_the_kernel_dequantizes_as_its_reference(name):
-    (k,) = widths(name, [96])
-    blocks = blocks_of(weight(131, k, seed=5), name)
-    got = gguf_blocks.dequantize(blocks, TYPES[name], k)
-    assert torch.equal(got, gguf_blocks.dequantize_reference(blocks, TYPES[name]))
-    part = gguf_blocks.dequantize(blocks[7:20], TYPES[name], k)  # a slice of the rows
-    assert torch.equal(part, got[7:20])
+@pytest.mark.parametrize("n, k, rows", [(1, 32, 1), (3, 64, 2), (67, 160, 3), (130, 96, 4), (257, 256, 5),
+                                        (5, 352, 6), (9, 2048, 9)])
+def test_the_kernel_matches_its_reference(name, n, k, rows):
+    assert_linear_matches(name, n, width(name, k), rows)
 
 
 @needs_kernel
-def test_many_rows_multiply_the_dequantized_weights_exactly():
-    blocks = blocks_of(weight(300, 128, seed=9), "Q4_0")
-    x = torch.randn(33, 128)
-    got = gguf_blocks.matmul_dequantized(x, blocks, TYPES["Q4_0"], 128, chunk_bytes=64 * 128 * 4)  # 5 slices
-    assert torch.allclose(got, x @ gguf_blocks.dequantize_reference(blocks, TYPES["Q4_0"]).T, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("name", TYPES)
+def test_the_kernel_dequantizes_as_its_reference(name):
+    k = width(name, 352)
+    blocks = blocks_of(weight(131, k, seed=5), name)
+    want = gguf_blocks.dequantize_reference(blocks, TYPES[name])
+    got = gguf_blocks.dequantize(blocks, TYPES[name], k)
+    assert torch.equal(got, want)
+    part = gguf_blocks.dequantize(blocks[7:20], TYPES[name], k)  # a slice of the rows
+    assert torch.equal(part, got[7:20])
+    # bf16 straight from the kernel: the fp32 weights rounded as torch rounds them
+    assert torch.equal(gguf_blocks.dequantize(blocks, TYPES[name], k, dtype=torch.bfloat16), want.to(torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("flags", [("-march=haswell",), ("-march=native", "-mno-gfni")], ids=["avx2", "no-gfni"])
+def test_the_other_builds_of_the_kernels_match_the_reference(flags):
+    """The code this CPU does not take: AVX2 without VNNI (pairs of 256-bit registers, Q8_0's levels through
+    maddubs), and AVX-512 with shifts where GFNI's bit matrices would be. Built with one activation row a pass
+    (MAX_ROWS=1: a quarter of the compile time; the passes of 2-4 rows are the same code on every CPU, tested
+    above)."""
+    library, origin = gguf_blocks.native_library(("-O3", *flags, "-DMAX_ROWS=1", "-fPIC", "-shared"))
+    if library is None:
+        pytest.skip(f"not built here: {origin}")
+    for name in TYPES:
+        if name not in ("F32", "BF16"):  # those are torch's and cpu_linear's
+            assert_linear_matches(name, 67, width(name, 352), 3, library)
+            k = width(name, 352)
+            blocks = blocks_of(weight(5, k, seed=2), name)
+            assert torch.equal(gguf_blocks.dequantize(blocks, TYPES[name], k, library=library),
+                               gguf_blocks.dequantize_reference(blocks, TYPES[name]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "F16", "BF16"])
+def test_a_fused_layer_split_between_threads_is_its_parts_side_by_side(name):
+    """Parts of several sizes in one call: the threads' shares cross the parts' boundaries."""
+    k = 2048
+    parts = [blocks_of(weight(n, k, seed=n), name) for n in (700, 9, 555)]
+    x = torch.randn(2, k)
+    activations = None if name in ("F16", "BF16") else gguf_blocks.quantize_activations(x)
+    got = gguf_blocks.linear(x, gguf_blocks.Matrices(parts, TYPES[name], k), TYPES[name], activations)
+    want = torch.cat([gguf_blocks.linear(x, part, TYPES[name]) for part in parts], dim=-1)
+    assert torch.equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_the_kernel_quantizes_fp32_and_bf16_rows_itself(name):
+    """x given as fp32 or bf16 rows (a decode step's), quantized in the call: the same as x quantized first."""
+    k = width(name, 352)
+    blocks = blocks_of(weight(70, k, seed=6), name)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+    for rows in (x, x.to(torch.bfloat16)):
+        want = gguf_blocks.linear(x, blocks, TYPES[name], gguf_blocks.quantize_activations(rows.float()))
+        assert torch.equal(gguf_blocks.linear(rows, blocks, TYPES[name]), want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["Q5_1", "Q3_K", "F16", "BF16"])
+def test_outputs_go_to_their_columns_in_the_rows_dtype(name):
+    """`out` in bf16 (rounded as torch rounds) or fp32, output n in column columns[n] of a wider row."""
+    k = width(name, 64)
+    blocks = blocks_of(weight(50, k, seed=7), name)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(2))
+    want = gguf_blocks.linear(x, blocks, TYPES[name])
+    columns = torch.randperm(60, generator=torch.Generator().manual_seed(3))[:50]
+    matrices = gguf_blocks.Matrices([blocks], TYPES[name], k, columns, 60)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.zeros(2, 60, dtype=dtype)
+        assert gguf_blocks.linear(x, matrices, TYPES[name], out=out) is out
+        assert torch.equal(out[:, columns], want.to(dtype))
+        assert not out[:, [c for c in range(60) if c not in columns.tolist()]].any()  # the others untouched
+
+
+@needs_kernel
+def test_a_decode_step_of_a_mixed_reordered_layer_is_its_parts_reordered():
+    """A fused layer of several types (a Q4_K_M file's Q, K in Q4_K and V in Q6_K) and a dense part, its outputs
+    reordered (llama's Q and K rows): the decode path writes each run's outputs in place, in the model's dtype; the
+    same as the runs' products put side by side, reordered and rounded."""
+    from indexpool.model.gguf_weights import BlockLinear, WeightPart
+
+    k = width("Q4_K", 32)
+    parts = [WeightPart(k, blocks_of(weight(n, k, seed=n), name), TYPES[name])
+             for n, name in ((64, "Q4_K"), (32, "Q4_K"), (32, "Q6_K"))]
+    parts.append(WeightPart(k, dense=torch.randn(16, k, generator=torch.Generator().manual_seed(4))))
+    order = torch.randperm(144, generator=torch.Generator().manual_seed(5))
+    layer = BlockLinear(parts, k, order=order)
+    for dtype in (torch.float32, torch.bfloat16):  # the model's dtype: the rows', the outputs'
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(6)).to(dtype)
+        products = [gguf_blocks.linear(x, [p.blocks for p in parts[:2]], TYPES["Q4_K"]),
+                    gguf_blocks.linear(x, parts[2].blocks, TYPES["Q6_K"]), (x @ parts[3].dense.to(dtype).T).float()]
+        want = torch.cat(products, dim=-1).index_select(-1, order).to(dtype)
+        assert torch.equal(layer(x), want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name, dtype", [("Q4_0", torch.float32), ("Q4_K", torch.bfloat16)])
+def test_many_rows_multiply_the_dequantized_weights_exactly(name, dtype):
+    """Slices of the weights dequantized in the activations' dtype (into a buffer kept between calls) and
+    multiplied by torch: the product of the reference's weights, slice for slice."""
+    k = width(name, 128)
+    blocks = blocks_of(weight(300, k, seed=9), name)
+    x = torch.randn(33, k, generator=torch.Generator().manual_seed(0)).to(dtype)
+    w = gguf_blocks.dequantize_reference(blocks, TYPES[name]).to(dtype)
+    want = torch.cat([x @ w[first : first + 64].T for first in range(0, 300, 64)], dim=-1)
+    for _ in range(2):  # the second time into the buffer the first one made
+        got = gguf_blocks.matmul_dequantized(x, blocks, TYPES[name], k, chunk_bytes=64 * k * 4)  # 5 slices
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name, dtype", [("F32", torch.float32), ("BF16", torch.bfloat16), ("F16", torch.float32)])
+def test_float_rows_are_used_where_they_lie(tmp_path, name, dtype):
+    """F32, F16 and BF16 tensors of a memory-mapped file: the layer's weights are the map's rows (no copy) for a
+    decode step and a prompt alike, and its embedding picks its tokens' rows there."""
+    from indexpool.model.gguf_weights import BlockEmbedding, BlockLinear, WeightPart, file_blocks, weight_formats
+
+    n, k = 48, 96
+    rows = blocks_of(weight(n, k, seed=4), name)
+    path = tmp_path / "rows.bin"
+    path.write_bytes(bytes(16) + rows.numpy().tobytes())
+    data = np.memmap(path, dtype=np.uint8, mode="c")
+    part = WeightPart(k, file_blocks(data, 16, rows.numel(), n), TYPES[name])
+    layer, embedding = BlockLinear([part], k), BlockEmbedding(part, k, dtype)
+    start = data.ctypes.data
+    assert start <= gguf_blocks.float_view(part.blocks, TYPES[name]).data_ptr() < start + data.size
+    assert weight_formats(layer) == {name: n * rows.shape[1]}  # the file's bytes, nothing else
+    w = gguf_blocks.dequantize_reference(rows, TYPES[name]).double()
+    generator = torch.Generator().manual_seed(0)
+    for length in (1, 20):  # a decode step, a prompt
+        x = torch.randn(length, k, generator=generator).to(dtype)
+        exact = x.double() @ w.T
+        # fp32 sums in some order: a few ulps of the sum of |terms|; then bf16 outputs round once more
+        bound = (x.double().abs() @ w.abs().T) * 2e-6 + (exact.abs() * 2.0**-8 if dtype == torch.bfloat16 else 0)
+        assert ((layer(x).double() - exact).abs() <= bound).all()
+    assert torch.equal(embedding(torch.tensor([[3, 0, 47]])), w[[3, 0, 47]].to(dtype)[None])
 
 
 def test_shapes_the_kernels_cannot_take_are_refused():
@@ -128,3 +267,7 @@ def test_shapes_the_kernels_cannot_take_are_refused():
         gguf_blocks.linear(torch.randn(1, 60), blocks, TYPES["Q8_0"])  # not whole blocks
     with pytest.raises(ValueError):
         gguf_blocks.linear(torch.randn(1, 64), blocks, TYPES["Q4_0"])  # rows of another type's size
+    with pytest.raises(ValueError):  # a column past the rows' end: refused before any kernel writes there
+        gguf_blocks.Matrices([blocks], TYPES["Q8_0"], 64, torch.tensor([0, 5]), 5)
+    with pytest.raises(ValueError):  # rows of the wrong width to write into
+        gguf_blocks.linear(torch.randn(1, 64), blocks, TYPES["Q8_0"], out=torch.empty(1, 3))
