@@ -4,6 +4,7 @@ they all take and the line that says what machine the figures come from."""
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import platform
 import resource
@@ -29,6 +30,34 @@ def natural_text(tokens: int | None = None) -> str:
         return text
     size = tokens * CHARS_PER_TOKEN
     return (text * (size // len(text) + 1))[:size]
+
+
+def natural_haystack() -> str:
+    """A long natural-English haystack: `natural_text()`, then the system's license texts (about 180K tokens
+    together in the default model's tokenizer)."""
+    licenses = [Path(p).read_text(errors="replace") for p in sorted(glob.glob("/usr/share/common-licenses/*"))
+                if Path(p).is_file()]
+    return "\n\n".join([natural_text(), *licenses])
+
+
+def chat_frame(tokenizer) -> tuple[str, str]:
+    """The model's chat template around one user message: its text before the message, and after it up to where
+    the assistant's answer starts. A long prompt is built from it as token ids, its parts tokenized apart."""
+    pre, post = tokenizer.render_chat([{"role": "user", "content": "\x00"}]).split("\x00")
+    return pre, post
+
+
+def greedy_answer(session, prompt: list[int], max_new_tokens: int, label: str, stop_ids=frozenset(),
+                  progress: bool = False):
+    """`session` reads `prompt` (only what follows the prefix it already holds) and answers greedily: the answer's
+    token ids, its GenerationStats and how many tokens were read. progress: `long_read_progress` lines."""
+    from indexpool.model.generate import GenerationStats, Sampler, SamplingParams, common_prefix
+
+    stats = GenerationStats()
+    reading = long_read_progress(label, len(prompt) - common_prefix(session.tokens, prompt)) if progress else None
+    out = list(session.generate(prompt, Sampler(SamplingParams(temperature=0)), max_new_tokens, stop_ids=stop_ids,
+                                stats=stats, on_prefill_progress=reading))
+    return out, stats, session.last_fed_tokens
 
 
 def natural_ids(tokenizer, tokens: int) -> list[int]:

@@ -20,16 +20,14 @@ trial re-reads only what follows its needle):
 from __future__ import annotations
 
 import argparse
-import glob
 import random
 import re
 import statistics
-from pathlib import Path
 
 import torch
 
-from benchmarks.common import add_schedule_option, long_read_progress, machine_description, natural_text
-from indexpool.model.generate import GenerationStats, SamplingParams, Sampler, Session
+from benchmarks.common import add_schedule_option, chat_frame, greedy_answer, machine_description, natural_haystack
+from indexpool.model.generate import Session
 from indexpool.model.indexpool_cache import IndexPoolConfig
 from indexpool.model.sessions import SessionOptions, default_indexer, describe_indexers, segment_indexer
 from indexpool.model.runtime import load_engine, set_threads
@@ -43,11 +41,7 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 
 
 def haystack_text(kind: str) -> str:
-    if kind == "filler":
-        return FILLER * 2000
-    licenses = [Path(p).read_text(errors="replace") for p in sorted(glob.glob("/usr/share/common-licenses/*"))
-                if Path(p).is_file()]
-    return "\n\n".join([natural_text(), *licenses])
+    return FILLER * 2000 if kind == "filler" else natural_haystack()
 
 
 def needle_text(key: int) -> str:
@@ -56,7 +50,7 @@ def needle_text(key: int) -> str:
 
 def build_prompt(tokenizer, hay_ids: list[int], length: int, depth: float, key: int) -> tuple[list[int], int]:
     """Token ids of the chat prompt (about `length` tokens) and the index where the needle starts."""
-    pre, post = tokenizer.render_chat([{"role": "user", "content": "\x00"}]).split("\x00")
+    pre, post = chat_frame(tokenizer)
     head = tokenizer.encode(pre, allow_special=True)
     needle = tokenizer.encode(needle_text(key))
     tail = tokenizer.encode(QUESTION + post + ANSWER_START, allow_special=True)
@@ -101,17 +95,13 @@ def run(args) -> None:
             hits, speeds = {d: 0 for d in depths}, []
             for depth, key in trials:
                 prompt, _ = build_prompt(tokenizer, hay_ids, length, depth, key)
-                pairs = zip(session.tokens, prompt)
-                common = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(session.tokens), len(prompt)))
-                stats = GenerationStats()
-                progress = long_read_progress(f"{length}:{mode} depth {depth:.2f}", len(prompt) - common)
-                out = list(session.generate(prompt, Sampler(SamplingParams(temperature=0)), 8, stats=stats,
-                                            on_prefill_progress=progress if args.verbose else None))
+                out, stats, read = greedy_answer(session, prompt, 8, f"{length}:{mode} depth {depth:.2f}",
+                                                 progress=args.verbose)
                 elapsed = stats.prefill_seconds
                 answer = tokenizer.decode(out)
                 found = re.findall(r"\d+", answer.replace(" ", ""))
                 hits[depth] += str(key) in found
-                speeds.append((len(prompt) - common) / elapsed)
+                speeds.append(read / elapsed)
                 if args.verbose:
                     print(f"  {length} {mode} depth {depth:.2f} key {key} -> {answer!r} ({elapsed:.1f} s)", flush=True)
             n_ok = sum(hits.values())

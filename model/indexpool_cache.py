@@ -5,7 +5,8 @@ A query at position p attends exactly to three parts of the history:
   - the recent window ("L1"): every token from ws to p, ws = (p - window) rounded down to a pool boundary;
   - far tokens: the `topk` tokens of the best `topk // kpool` complete pools in [sinks, ws), chosen by an indexer
     (`model/indexers.py`) scoring the pooled index ("L2", `PooledIndexCache`: one pooled key per kpool tokens).
-    While [sinks, ws) holds at most topk tokens, all of it is taken.
+    While [sinks, ws) holds at most topk tokens, all of it is taken. topk 0 takes none and scores nothing: sinks
+    and the recent window alone (StreamingLLM), the no-retrieval baseline of benchmarks/ruler.py.
 
 Storage, per layer: the un-rotated K and V of every token in a `HistoryStore` (bf16 or int8 with one scale per
 token and KV head; in memory or in a memory-mapped file), where the sinks and far tokens are gathered from; the
@@ -72,7 +73,7 @@ KV_STORAGE = ("auto", "bf16", "int8", "full")
 @dataclass
 class IndexPoolConfig:
     kpool: int = 4
-    topk: int = 2048  # far tokens per query (topk // kpool pools)
+    topk: int = 2048  # far tokens per query (topk // kpool pools); 0: none, sinks and the recent window only
     window: int = 1024  # recent tokens always attended ("L1")
     sinks: int = 64  # first tokens always attended
     sink_distance: int = 4096  # once far tokens are selected, the sinks sit at least this far back (module docstring)
@@ -100,7 +101,7 @@ class IndexPoolConfig:
                 raise ValueError(message)
 
         need(self.kpool >= 1, "kpool must be >= 1")
-        need(self.topk >= self.kpool and self.topk % self.kpool == 0, f"topk must be a positive multiple of kpool={self.kpool}")
+        need(self.topk >= 0 and self.topk % self.kpool == 0, f"topk must be 0 or a positive multiple of kpool={self.kpool}")
         need(self.sinks >= 0 and self.sinks % self.kpool == 0, f"sinks must be a multiple of kpool={self.kpool}")
         need(min(self.window, self.segment, self.query_tokens, self.query_block, self.segment_block) >= 1,
              "window, segment, query tokens, query block and segment block must be >= 1")
@@ -398,8 +399,8 @@ class IndexPoolCache:
         self.n_sinks = min(s.sinks, self.ws)
         self.n_far = self.ws - self.n_sinks
         # Queries in blocks of query_block rows, one far selection each: the whole forward is one block when
-        # everything fits or the caller asked for one shared selection.
-        one_block = self.n_far <= s.topk or self.shared_selection
+        # everything fits, nothing is selected (topk 0) or the caller asked for one shared selection.
+        one_block = self.n_far <= s.topk or not s.topk or self.shared_selection
         self.per_query = not one_block and length <= s.query_tokens  # each query scored, scores summed per block
         self.query_block = length if one_block else min(s.query_block if self.per_query else s.segment_block, length)
         device = self.inv_freq.device
@@ -435,7 +436,7 @@ class IndexPoolCache:
             return self.selections[source]
         T = q.shape[1]
         n_blocks = -(-T // self.query_block)
-        if self.n_far <= s.topk:  # everything fits: no scoring
+        if self.n_far <= s.topk or not s.topk:  # everything fits, or nothing is to be selected: no scoring
             return self.fixed_positions.expand(n_blocks, -1)
         first_pool, end_pool = self.n_sinks // s.kpool, self.ws // s.kpool
         indexer, index = (self.indexer, self.index) if self.per_query or self.segment_indexer is None else \

@@ -246,6 +246,26 @@ def test_shared_indexer_layers_reuse_the_full_layers_selection():
     assert session.cache.bytes_per_token()["pooled_index"] == every_layer.bytes_per_token()["pooled_index"] * 2 / 3
 
 
+def test_topk_0_reads_the_sinks_and_the_recent_window_alone(monkeypatch):
+    """topk 0 (StreamingLLM; the window reader of benchmarks/ruler.py): every query sees the sinks and the recent
+    window only, as the reference does under the same rules, and the indexer never scores a pool."""
+    model = tiny_model(5)
+    window_only = dict(SETTINGS, topk=0)
+    prompt = prompts_for(14, [150])
+    ours = run_session(model, window_only, prompt)
+    torch.testing.assert_close(ours, run_session(model, window_only, prompt, reference=True), atol=2e-4, rtol=0)
+    assert not torch.allclose(ours, run_session(model, SETTINGS, prompt), atol=2e-4, rtol=0)  # far tokens mattered
+    session = Session(model, 256, attention=IndexPoolConfig(**window_only))
+    monkeypatch.setattr(session.cache.indexer, "score", lambda *args: pytest.fail("a pool was scored"))
+    seen = []
+    session.prefill(prompt[0], on_select=lambda layer, positions, far: seen.append(far))
+    assert seen and all(far.shape[1] <= SETTINGS["sinks"] and torch.equal(far[0], torch.arange(far.shape[1]))
+                        for far in seen)
+    IndexPoolConfig(topk=0).validate(8192)
+    with pytest.raises(ValueError, match="topk must be 0 or a positive multiple"):
+        IndexPoolConfig(topk=-4).validate(8192)
+
+
 def test_offloaded_history_equals_in_memory(tmp_path):
     model = tiny_model(4)
     prompt = prompts_for(8, [130])

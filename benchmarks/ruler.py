@@ -1,0 +1,442 @@
+"""RULER-style long-context tasks, generated here; IndexPool, dense attention and a window-only reader in one run.
+
+The task kinds follow NVIDIA's RULER (Hsieh et al., 2024); the generator and the wording are our own, and nothing is
+downloaded. Needles and assignments hide in natural prose (`common.natural_haystack`: Python's documentation, then
+the system's license texts; repeated past its end), never in repeated filler lines.
+
+    niah_single      one needle "One of the special magic numbers for KEY is: VALUE." (KEY two words, VALUE seven
+                     digits); the value is asked for
+    niah_multikey    that needle among 3 distractor needles whose keys share a word with the asked one
+    niah_multivalue  4 needles for the asked key, each with its own value: all 4 are asked for
+    niah_multiquery  4 needles with 4 keys, all asked for at once
+    vt               variable tracking: a chain "VAR A = 12345", then 1 to 4 hops "VAR B = VAR A", among 2 decoy
+                     chains; every variable that holds the value is asked for
+    cwe              common words: a numbered list of words, 10 of them 30 times each and the others 3 times (more
+                     where our vocabulary runs short, the 10 staying 3 times as frequent): the 10 most common
+    fwe              frequent words: coded words drawn from a Zipf law (exponent 2): the 3 most frequent
+
+A length counts every token the model reads (chat template, instruction, document, question, the answer's start) in
+the model's tokenizer: each prompt has between 99% and 100% of it. Each answer is scored as RULER scores these tasks:
+the share of the expected strings found in it (case-insensitive; all-style recall), averaged over the samples.
+Samples are seeded by (seed, task, length, index): more samples keep the first ones.
+
+Readers, in one run: `dense` (only where a prompt and its answer fit the model's own context), `indexpool` (the
+default settings and indexer, as `SessionOptions()` gives them) and `window` (`IndexPoolConfig(topk=0)`: the attention
+sinks and the recent window only, no retrieval, as StreamingLLM). Samples share their haystack's start (as RULER's
+do) and are read in the order of their token ids, so a session re-reads a prompt only from where it leaves the one
+before (IndexPool's segments, and so its selections, then start elsewhere: scores can move a little with the order).
+
+    .venv/bin/python -m benchmarks.ruler --lengths 4096,16384 --samples 5
+    .venv/bin/python -m benchmarks.ruler --lengths 32768,131072 --readers indexpool,window --json ruler.json
+
+Prints the machine, then one row per (task, length, reader): score, samples, seconds per sample and the tokens a
+sample read (what its prompt did not share with the one before); then each reader's average over the tasks per
+length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import statistics
+import string
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from benchmarks.common import chat_frame, greedy_answer, machine_description, natural_haystack
+from indexpool.model.generate import Session
+from indexpool.model.indexpool_cache import IndexPoolConfig
+from indexpool.model.runtime import load_engine, set_threads
+from indexpool.model.sessions import SessionOptions, default_indexer, describe_indexers, segment_indexer
+
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
+READERS = ("dense", "indexpool", "window")
+TOLERANCE = 0.01  # a prompt has between (1 - TOLERANCE) * length and length tokens
+MAX_NEW_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "niah_multiquery": 48, "vt": 40,
+                  "cwe": 64, "fwe": 32}  # the answer with room to spare: each digit is a token of its own
+
+# Needle keys are adjective-noun pairs (RULER draws words too); none of these is a suffix of another, so the key
+# "red-ox" could never hide inside "tired-ox".
+ADJECTIVES = ("amber bold brisk calm clever crisp dusty eager faint fierce gentle golden hollow humble icy jolly keen "
+              "lively lucky mellow misty noble pale proud quiet rapid rustic shiny silent sleek smoky snowy solid "
+              "stormy sunny swift tidy vivid wild witty").split()
+NOUNS = ("anchor badger beacon canyon castle cedar comet copper dolphin ember falcon forest galaxy garden harbor "
+         "island jungle kettle lantern meadow mirror needle oasis orchid otter pebble pepper pigeon planet quartz "
+         "raven ribbon saddle salmon shadow spider summit tiger tunnel valley violin walrus willow").split()
+NIAH_INTRO = ("Some special magic numbers are hidden in the text below. Read it carefully and remember them: you will "
+              "be asked about them at the end.\n\n")
+VT_INTRO = ("The text below hides variable assignments, lines of the form VAR NAME = VALUE. Keep track of them: you "
+            "will be asked which variables end up holding a value.\n\n")
+COMMON_WORDS, COMMON_TIMES, RARE_TIMES = 10, 30, 3
+CODED_WORDS, CODED_LETTERS, ZIPF_EXPONENT, FREQUENT_WORDS = 1000, 6, 2.0, 3
+FREQUENT_MARGIN = 1.2  # the 3rd most frequent coded word occurs at least this many times as often as the 4th
+
+
+@dataclass
+class Sample:
+    task: str
+    length: int
+    instruction: str  # the user's message is instruction + document + question
+    document: str
+    question: str
+    answer_start: str  # the assistant's answer begins with it (the model continues it)
+    answers: list[str]  # what the answer must name, all of it
+    prompt: list[int] = field(repr=False)  # token ids: chat template, instruction, document, question, answer start
+
+
+def recall_all(answer: str, expected: list[str]) -> float:
+    """RULER's all-style string match for one answer: the share of the expected strings that occur in it,
+    case-insensitive."""
+    text = answer.lower()
+    return sum(e.lower() in text for e in expected) / len(expected)
+
+
+class Haystack:
+    """The natural prose needles hide in, in pieces: sentences, and lines of a long piece (a table, a code listing),
+    so that a prompt can be cut to within 1% of even 4K tokens and a needle always lands between two pieces."""
+
+    MAX_PIECE_CHARS = 160  # about 40 tokens
+
+    def __init__(self):
+        self.text = natural_haystack()
+        pieces = []
+        for piece in re.split(r"(?<=[.!?]\s)|(?<=\n\n)", self.text):
+            pieces += [piece] if len(piece) <= self.MAX_PIECE_CHARS else re.split(r"(?<=\n)", piece)
+        self.pieces = [piece for piece in pieces if piece]
+
+    def prose(self, n: int, inserts: dict[int, list[str]]) -> str:
+        """The first n pieces (repeated past the end), inserts[i] standing before piece i (i == n: after the last)."""
+        parts = []
+        for i in range(n + 1):
+            parts += inserts.get(i, [])
+            if i < n:
+                parts.append(self.pieces[i % len(self.pieces)])
+        return "".join(parts)
+
+    @cached_property
+    def words(self) -> list[str]:
+        """The common-words vocabulary, sorted: the prose's plain words of 4 to 10 lower-case letters (no part of a
+        name, a call or a contraction) that occur twice or more (no fragment of a one-off oddity), less those inside
+        another of them ("claim" in "disclaim"), which naming the other would score."""
+        counts = Counter(re.findall(r"(?<![\w.'(-])[a-z]{4,10}(?![\w'(-])", self.text))
+        words = sorted(word for word, n in counts.items() if n >= 2)
+        joined = " ".join(words)
+        return [word for word in words if joined.count(word) == 1]
+
+    def absent(self, text: str) -> bool:
+        return text not in self.text
+
+
+class Generator:
+    """Samples of every task for one tokenizer (their lengths are measured with it) and one haystack."""
+
+    def __init__(self, tokenizer, haystack: Haystack | None = None):
+        self.tokenizer = tokenizer
+        self.haystack = haystack or Haystack()
+        pre, post = chat_frame(tokenizer)
+        self._head = tokenizer.encode(pre, allow_special=True)
+        self._post = post
+
+    def samples(self, task: str, length: int, count: int, seed: int) -> list[Sample]:
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
+        build = getattr(self, f"_{task}")
+        return [build(random.Random(f"{seed}:{task}:{length}:{i}"), length) for i in range(count)]
+
+    def _sample(self, task, length, intro, document, question, answer_start, answers) -> Sample:
+        prompt = self._head + self.tokenizer.encode(intro + document + question) + \
+            self.tokenizer.encode(self._post + answer_start, allow_special=True)
+        return Sample(task, length, intro, document, question, answer_start, list(answers), prompt)
+
+    def _fit(self, build, length: int) -> Sample:
+        """build(size) for the size whose prompt has between (1 - TOLERANCE) * length and length tokens; size is how
+        much of the document's filler there is, and the tokens grow with it about linearly."""
+        fixed = len(build(0).prompt)
+        goal = length * (1 - TOLERANCE / 2)
+        if fixed > goal:
+            raise ValueError(f"a length of {length} tokens is too short for this task (it needs {fixed} and more)")
+        size = max(1, round((goal - fixed) / 8))
+        tried = {}
+        for _ in range(30):
+            sample = tried[size] = build(size)
+            n = len(sample.prompt)
+            if length * (1 - TOLERANCE) <= n <= length:
+                return sample
+            step = round((goal - n) * size / max(n - fixed, 1))  # at the tokens per unit measured so far
+            size = max(1, size + (step or (1 if n < goal else -1)))
+            if size in tried:  # circling: one piece straddles the interval; step by one from here
+                size = size + 1 if len(tried[size].prompt) < goal else size - 1
+        raise RuntimeError(f"could not fit a {build.__qualname__} sample to {length} tokens")
+
+    # --- needles in a haystack ---
+
+    def _keys(self, rng: random.Random, count: int) -> list[str]:
+        keys = set()
+        while len(keys) < count:
+            keys.add(f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}")
+        return rng.sample(sorted(keys), count)
+
+    def _numbers(self, rng: random.Random, count: int, digits: int) -> list[str]:
+        """Distinct numbers of `digits` digits, none in the haystack (so each occurs exactly where it is put)."""
+        numbers: list[str] = []
+        while len(numbers) < count:
+            number = str(rng.randrange(10 ** (digits - 1), 10**digits))
+            if number not in numbers and self.haystack.absent(number):
+                numbers.append(number)
+        return numbers
+
+    @staticmethod
+    def needle(key: str, value: str) -> str:
+        return f"One of the special magic numbers for {key} is: {value}. "
+
+    def _niah(self, rng: random.Random, length: int, task: str, needles: list[tuple[str, str]], asked: list[str],
+              answers: list[str]) -> Sample:
+        """`needles` (key, value) at random depths of the prose, `asked` keys asked for, `answers` expected."""
+        depths = sorted(rng.random() for _ in needles)
+        order = rng.sample(needles, len(needles))
+        keys = asked[0] if len(asked) == 1 else ", ".join(asked[:-1]) + " and " + asked[-1]
+        if len(answers) == 1:
+            question = f"\n\nWhat is the special magic number for {keys} mentioned in the text above?"
+            answer_start = f"The special magic number for {keys} mentioned in the text is"
+        else:
+            every = " all" if len(asked) == 1 else ""  # several values for one key
+            question = f"\n\nWhat are{every} the special magic numbers for {keys} mentioned in the text above?"
+            answer_start = f"The special magic numbers for {keys} mentioned in the text are"
+
+        def build(size: int) -> Sample:
+            inserts: dict[int, list[str]] = {}
+            for depth, (key, value) in zip(depths, order):
+                inserts.setdefault(round(depth * size), []).append(self.needle(key, value))
+            return self._sample(task, length, NIAH_INTRO, self.haystack.prose(size, inserts), question, answer_start,
+                                answers)
+
+        return self._fit(build, length)
+
+    def _niah_single(self, rng, length):
+        key, = self._keys(rng, 1)
+        value, = self._numbers(rng, 1, 7)
+        return self._niah(rng, length, "niah_single", [(key, value)], [key], [value])
+
+    def _niah_multikey(self, rng, length):
+        """Three distractors whose keys look like the asked one: each keeps one of its two words."""
+        key, = self._keys(rng, 1)
+        adjective, noun = key.split("-")
+        distractors: set[str] = set()
+        while len(distractors) < 3:
+            other = f"{adjective}-{rng.choice(NOUNS)}" if rng.random() < 0.5 else f"{rng.choice(ADJECTIVES)}-{noun}"
+            if other != key:
+                distractors.add(other)
+        values = self._numbers(rng, 4, 7)
+        needles = list(zip([key, *sorted(distractors)], values))
+        return self._niah(rng, length, "niah_multikey", needles, [key], values[:1])
+
+    def _niah_multivalue(self, rng, length):
+        key, = self._keys(rng, 1)
+        values = self._numbers(rng, 4, 7)
+        return self._niah(rng, length, "niah_multivalue", [(key, v) for v in values], [key], values)
+
+    def _niah_multiquery(self, rng, length):
+        keys, values = self._keys(rng, 4), self._numbers(rng, 4, 7)
+        return self._niah(rng, length, "niah_multiquery", list(zip(keys, values)), keys, values)
+
+    # --- variable tracking ---
+
+    def _names(self, rng: random.Random, count: int) -> list[str]:
+        names: list[str] = []
+        while len(names) < count:
+            name = "".join(rng.choices(string.ascii_uppercase, k=5))
+            if name not in names and "VAR" not in name and self.haystack.absent(name):
+                names.append(name)
+        return names
+
+    def _vt(self, rng, length):
+        """The asked chain and 2 decoys, each a value and 1 to 4 hops; each chain's lines in order at random depths."""
+        hops = [rng.randint(1, 4) for _ in range(3)]
+        values = self._numbers(rng, 3, 5)
+        names = self._names(rng, sum(hops) + 3)
+        chains, lines = [], []
+        for n_hops, value in zip(hops, values):
+            chain, names = names[: n_hops + 1], names[n_hops + 1 :]
+            chains.append(chain)
+            lines.append([f"VAR {chain[0]} = {value}"] + [f"VAR {b} = VAR {a}" for a, b in zip(chain, chain[1:])])
+        placed = [(depth, line) for chain_lines in lines
+                  for depth, line in zip(sorted(rng.random() for _ in chain_lines), chain_lines)]
+        placed.sort()
+        answers = chains[0]
+        question = f"\n\nWhich variables hold the value {values[0]}, directly or through other variables?"
+        answer_start = f"{len(answers)} variables hold the value {values[0]}. They are:"
+
+        def build(size: int) -> Sample:
+            inserts: dict[int, list[str]] = {}
+            for depth, line in placed:
+                inserts.setdefault(round(depth * size), []).append(f"\n{line}\n")
+            return self._sample("vt", length, VT_INTRO, self.haystack.prose(size, inserts), question, answer_start,
+                                answers)
+
+        return self._fit(build, length)
+
+    # --- common and frequent words ---
+
+    def _cwe(self, rng, length):
+        """size: how many list entries the other words take. Each of them occurs RARE_TIMES times while the
+        vocabulary lasts, more after; the common words stay 3 times as frequent."""
+        words = rng.sample(self.haystack.words, len(self.haystack.words))
+        common, others = words[:COMMON_WORDS], words[COMMON_WORDS:]
+        shuffle_seed = rng.random()
+        question = f"\n\nWhat are the {COMMON_WORDS} most common words in the list above?"
+        answer_start = f"The {COMMON_WORDS} most common words in the list are:"
+
+        def build(size: int) -> Sample:
+            distinct = min(len(others), math.ceil(size / RARE_TIMES))
+            times = max(RARE_TIMES, math.ceil(size / max(distinct, 1)))
+            entries = [w for w in others[:distinct] for _ in range(times)][:size]
+            entries += common * max(COMMON_TIMES, 3 * times)
+            random.Random(shuffle_seed).shuffle(entries)
+            document = "".join(f"{i}. {word}\n" for i, word in enumerate(entries, 1))
+            return self._sample("cwe", length, "Below is a numbered list of words. Some of them occur far more often "
+                                "than the others.\n\n", document, question, answer_start, common)
+
+        return self._fit(build, length)
+
+    def _fwe(self, rng, length):
+        """size: how many coded words the text holds, drawn one by one from a Zipf law over CODED_WORDS of them (so
+        a shorter text is a prefix of a longer one); the answer is the text's own 3 most frequent words, which a
+        sample must show by a margin over the 4th (else it is drawn again)."""
+        for _ in range(100):
+            vocabulary: set[str] = set()
+            while len(vocabulary) < CODED_WORDS:
+                vocabulary.add("".join(rng.choices(string.ascii_lowercase, k=CODED_LETTERS)))
+            ranked = rng.sample(sorted(vocabulary), CODED_WORDS)
+            weights = [1 / (rank + 1) ** ZIPF_EXPONENT for rank in range(CODED_WORDS)]
+            stream_seed = rng.random()
+
+            def build(size: int) -> Sample:
+                drawn = random.Random(stream_seed).choices(ranked, weights=weights, k=size)
+                counts = Counter(drawn).most_common(FREQUENT_WORDS)
+                return self._sample("fwe", length, "Below is a coded text. Keep count of how often each coded word "
+                                    "occurs.\n\n", " ".join(drawn), "\n\nWhich are the 3 most frequent coded words in "
+                                    "the text above?", "The 3 most frequent coded words are:", [w for w, _ in counts])
+
+            sample = self._fit(build, length)
+            counts = Counter(sample.document.split()).most_common(FREQUENT_WORDS + 1)
+            if len(counts) > FREQUENT_WORDS and counts[-2][1] >= FREQUENT_MARGIN * counts[-1][1]:
+                return sample
+        raise RuntimeError("no coded text with a clear 3 most frequent words")
+
+
+# --- reading ---
+
+
+def open_reader(reader: str, loaded, capacity: int, indexer, for_segments) -> Session:
+    if reader == "dense":
+        return Session(loaded.model, capacity)
+    if reader == "indexpool":
+        return Session(loaded.model, capacity, attention=SessionOptions().indexpool, indexer=indexer,
+                       segment_indexer=for_segments)
+    # The window reader selects nothing: the segment indexer (hybrid) would only compute keys nobody reads.
+    return Session(loaded.model, capacity, attention=IndexPoolConfig(topk=0), indexer=indexer)
+
+
+def run(args) -> None:
+    set_threads(args.threads)
+    machine = machine_description()
+    print(machine, flush=True)
+    loaded = load_engine(args.model, dtype=args.dtype)
+    tokenizer = loaded.tokenizer
+    options = SessionOptions()
+    indexer, for_segments = default_indexer(options, loaded), segment_indexer(options, loaded)
+    generator = Generator(tokenizer)
+    context = loaded.config.context_length
+    print(f"model {loaded.name} ({context} context), indexer {describe_indexers(indexer, for_segments)}, "
+          f"threads {torch.get_num_threads()}, seed {args.seed}", flush=True)
+    print(f"{'task':<16} {'length':>7} {'reader':>9} {'score':>6} {'samples':>7} {'s/sample':>8} {'read/sample':>11}",
+          flush=True)
+    rows, averages = [], []
+    for length in args.lengths:
+        t0 = time.perf_counter()
+        samples = {task: generator.samples(task, length, args.samples, args.seed) for task in args.tasks}
+        if args.verbose:
+            print(f"  generated {length}-token samples in {time.perf_counter() - t0:.1f} s", flush=True)
+        longest = max(len(s.prompt) + MAX_NEW_TOKENS[s.task] for task in samples.values() for s in task)
+        for reader in args.readers:
+            if reader == "dense" and longest > context:
+                print(f"{'(all)':<16} {length:>7} {reader:>9}   skipped: the prompts exceed the model's "
+                      f"{context}-token context", flush=True)
+                continue
+            session = open_reader(reader, loaded, longest, indexer, for_segments)
+            scores = []
+            for task in args.tasks:
+                details, seconds, read = [], [], []
+                for i, sample in enumerate(sorted(samples[task], key=lambda s: s.prompt)):
+                    t0 = time.perf_counter()
+                    out, _, fed = greedy_answer(session, sample.prompt, MAX_NEW_TOKENS[task],
+                                                f"{task} {length}:{reader}", stop_ids=tokenizer.stop_ids,
+                                                progress=args.verbose)
+                    seconds.append(time.perf_counter() - t0)
+                    read.append(fed)
+                    answer = tokenizer.decode(out)
+                    details.append({"answers": sample.answers, "answer": answer,
+                                    "score": recall_all(answer, sample.answers)})
+                    if args.verbose:
+                        print(f"  {task} {length} {reader} #{i}: {sample.answers} -> {answer!r} "
+                              f"({details[-1]['score']:.2f}, {seconds[-1]:.1f} s, {fed} tokens read)", flush=True)
+                score = 100 * statistics.mean(d["score"] for d in details)
+                scores.append(score)
+                row = {"task": task, "length": length, "reader": reader, "score": score, "samples": len(details),
+                       "seconds_per_sample": statistics.mean(seconds), "read_per_sample": statistics.mean(read),
+                       "details": details}
+                rows.append(row)
+                print(f"{task:<16} {length:>7} {reader:>9} {score:>6.1f} {len(details):>7} "
+                      f"{row['seconds_per_sample']:>8.1f} {row['read_per_sample']:>11.0f}", flush=True)
+            averages.append({"length": length, "reader": reader, "score": statistics.mean(scores),
+                             "tasks": len(scores)})
+            del session
+    print("\naverage over the tasks")
+    print(f"{'length':>7} {'reader':>9} {'score':>6} {'tasks':>5}")
+    for a in averages:
+        print(f"{a['length']:>7} {a['reader']:>9} {a['score']:>6.1f} {a['tasks']:>5}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "model": loaded.name, "context": context,
+                       "indexer": describe_indexers(indexer, for_segments), "seed": args.seed,
+                       "max_new_tokens": MAX_NEW_TOKENS, "rows": rows, "averages": averages}, f, indent=1)
+
+
+def choices(allowed):
+    def parse(text: str) -> list[str]:
+        items = [item.strip() for item in text.split(",")]
+        unknown = [item for item in items if item not in allowed]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(f"{', '.join(unknown)} not among {', '.join(allowed)}")
+        return items
+
+    return parse
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[4096, 16384, 32768, 131072],
+                        help="prompt lengths in tokens (the model's tokenizer), comma-separated")
+    parser.add_argument("--samples", type=int, default=50, help="samples per task and length")
+    parser.add_argument("--tasks", type=choices(TASKS), default=list(TASKS))
+    parser.add_argument("--readers", type=choices(READERS), default=list(READERS),
+                        help="dense runs only where the prompts fit the model's context")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", metavar="PATH", help="also write the rows (each sample's answer too) as JSON")
+    parser.add_argument("--verbose", action="store_true", help="each sample's answer and time")
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""benchmarks/ruler.py's task generator and scoring (no model runs): seeded samples, within 1% of their length in the
+default model's tokenizer, with the answers where each task needs them and distractors that never give them."""
+
+import re
+from collections import Counter
+
+import pytest
+
+from benchmarks.ruler import ADJECTIVES, NOUNS, TASKS, Generator, recall_all
+
+NEEDLE = re.compile(r"One of the special magic numbers for ([a-z]+-[a-z]+) is: (\d+)\. ")
+ASSIGNMENT = re.compile(r"^VAR ([A-Z]{5}) = (VAR ([A-Z]{5})|\d{5})$", re.M)
+
+
+@pytest.fixture(scope="module")
+def generator(default_tokenizer):
+    return Generator(default_tokenizer)
+
+
+def needles(sample) -> list[tuple[str, str]]:
+    return NEEDLE.findall(sample.document)
+
+
+def test_samples_are_seeded(generator):
+    for task in TASKS:
+        first = generator.samples(task, 4096, 2, seed=7)
+        again = generator.samples(task, 4096, 1, seed=7)  # more samples keep the first ones
+        assert (first[0].prompt, first[0].answers) == (again[0].prompt, again[0].answers)
+        assert first[0].prompt != generator.samples(task, 4096, 1, seed=8)[0].prompt
+        assert first[0].answers != first[1].answers
+
+
+@pytest.mark.parametrize("length", [4096, 16384])
+def test_prompts_are_the_chat_template_within_1_percent_of_the_length(generator, default_tokenizer, length):
+    for task in TASKS:
+        for sample in generator.samples(task, length, 2, seed=1):
+            user = sample.instruction + sample.document + sample.question
+            text = default_tokenizer.render_chat([{"role": "user", "content": user}]) + sample.answer_start
+            assert sample.prompt == default_tokenizer.encode(text, allow_special=True)
+            assert 0.99 * length <= len(sample.prompt) <= length, (task, len(sample.prompt))
+
+
+def test_a_length_too_short_for_the_task_is_refused(generator):
+    with pytest.raises(ValueError, match="too short"):
+        generator.samples("cwe", 1024, 1, seed=0)  # the common words alone take more
+
+
+def test_needles_hide_in_the_natural_prose(generator):
+    """Take the needles out and what is left is the haystack's own text, from its start."""
+    for task in ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery"):
+        for sample in generator.samples(task, 16384, 2, seed=2):
+            prose = NEEDLE.sub("", sample.document)
+            assert len(prose) > 40000 and generator.haystack.text.startswith(prose)
+
+
+def test_niah_single_and_multikey_answers_occur_once_and_distractors_never_give_them(generator):
+    for sample in generator.samples("niah_single", 4096, 5, seed=3):
+        (key, value), = needles(sample)
+        assert sample.answers == [value] and len(value) == 7 and sample.document.count(value) == 1
+        assert key in sample.question and key in sample.answer_start
+    for sample in generator.samples("niah_multikey", 16384, 5, seed=3):
+        found = needles(sample)
+        asked = re.search(r"for ([a-z]+-[a-z]+) mentioned", sample.question).group(1)
+        assert len(found) == 4 and [value for key, value in found if key == asked] == sample.answers
+        assert sample.document.count(sample.answers[0]) == 1 and sample.document.count(asked) == 1
+        for key, value in found:
+            if key != asked:  # a look-alike: one word of the asked key kept, never the whole key or its value
+                assert value != sample.answers[0] and len(set(key.split("-")) & set(asked.split("-"))) == 1
+                assert key.split("-")[0] in ADJECTIVES and key.split("-")[1] in NOUNS
+
+
+def test_multivalue_and_multiquery_ask_for_every_value(generator):
+    for sample in generator.samples("niah_multivalue", 4096, 5, seed=4):
+        found = needles(sample)
+        assert len({key for key, _ in found}) == 1 and f"for {found[0][0]} mentioned" in sample.question
+        assert sorted(value for _, value in found) == sorted(sample.answers) and len(set(sample.answers)) == 4
+        assert all(sample.document.count(value) == 1 for value in sample.answers)
+    for sample in generator.samples("niah_multiquery", 4096, 5, seed=4):
+        values = dict(needles(sample))
+        asked = re.findall(r"[a-z]+-[a-z]+", sample.question)
+        assert len(asked) == len(values) == 4 and set(asked) == set(values)
+        assert sample.answers == [values[key] for key in asked]
+        assert all(sample.document.count(value) == 1 for value in sample.answers)
+
+
+def test_variable_tracking_chains_resolve_to_the_answers(generator):
+    """Resolved in reading order (each variable defined once, after the one it copies), the variables holding the
+    asked value are exactly the answers: 2 to 5 (1 to 4 hops); the decoy chains hold other values."""
+    hops = set()
+    for sample in generator.samples("vt", 4096, 12, seed=5):
+        holds: dict[str, str] = {}
+        for name, source, copied in ASSIGNMENT.findall(sample.document):
+            assert name not in holds
+            holds[name] = holds[copied] if copied else source  # a KeyError: used before it is defined
+        value = re.search(r"value (\d{5})", sample.question).group(1)
+        assert sorted(n for n, v in holds.items() if v == value) == sorted(sample.answers)
+        assert sample.document.count(value) == 1 and f"{len(sample.answers)} variables" in sample.answer_start
+        decoys = Counter(v for v in holds.values() if v != value)
+        assert len(decoys) == 2 and all(2 <= n <= 5 for n in decoys.values())
+        assert all(sample.document.count(f"VAR {name} =") == 1 for name in sample.answers)
+        hops.add(len(sample.answers) - 1)
+    assert hops == {1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("length", [4096, 65536])  # 64K: more than the vocabulary's words 3 times each
+def test_common_words_are_the_most_common_by_far(generator, length):
+    for sample in generator.samples("cwe", length, 2, seed=6):
+        lines = sample.document.splitlines()
+        assert [line.split(". ")[0] for line in lines] == [str(i) for i in range(1, len(lines) + 1)]
+        counts = Counter(line.split(". ")[1] for line in lines)
+        assert sorted(w for w, _ in counts.most_common(10)) == sorted(sample.answers)
+        rest = [n for w, n in counts.items() if w not in sample.answers]
+        assert min(counts[w] for w in sample.answers) >= 30 and min(counts[w] for w in sample.answers) >= 3 * max(rest)
+        assert not any(w in other for w in sample.answers for other in counts if other != w)  # no word hides another
+
+
+def test_frequent_words_are_the_3_most_frequent_by_a_margin(generator):
+    for length in (4096, 16384):
+        for sample in generator.samples("fwe", length, 4, seed=7):
+            counts = Counter(sample.document.split()).most_common()
+            assert [w for w, _ in counts[:3]] == sample.answers
+            assert counts[2][1] >= 1.2 * counts[3][1] and len(counts) > 20  # a Zipf tail, not just 4 words
+
+
+def test_recall_all_is_the_share_of_expected_strings_found():
+    assert recall_all("The numbers are 1234567 and 7654321.", ["1234567", "7654321"]) == 1
+    assert recall_all("The number is 1234567.", ["1234567", "7654321"]) == 0.5
+    assert recall_all("They are: ABCDE, fghij", ["abcde", "FGHIJ", "KLMNO", "PQRST"]) == 0.5  # case-insensitive
+    assert recall_all("I do not know.", ["1234567"]) == 0
