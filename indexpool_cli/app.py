@@ -22,7 +22,7 @@ import typer
 from indexpool.model.errors import ModelLoadError, SettingsError
 
 from .attention import AttentionChoice, attention_options, calibrating
-from .console import InputError, err_console, fail, prefill_progress, read_text_input, show_stats
+from .console import InputError, err_console, fail, prefill_progress, read_message, read_text_input, show_stats
 from .ingest import IngestError
 from .options import option_group
 from .remote import RemoteError
@@ -55,9 +55,10 @@ def command(fn):
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file or a Hugging Face model directory (default: SmolLM2-135M-Instruct).", envvar="INDEXPOOL_MODEL")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bf16 where the CPU has it, else fp32), bf16, fp16 or fp32.")]
-DecodeWeightsOpt = Annotated[str, typer.Option("--decode-weights", help="How the CPU holds the weights: gguf (a GGUF file's own blocks, memory-mapped, computed on in place: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; other types dequantized), int4 or int8 (a bf16 model, or an fp32 one where the C kernels build: dequantized weights plus quantized copies for decode steps), off (dequantized weights only; also keeps an fp32 model's K/V cache in fp32, else it is bf16 where the C attention kernel runs), or auto: gguf for GGUF models of 500M weights or more, else int4 for 4-bit files and int8 for others.")]
+DecodeWeightsOpt = Annotated[str, typer.Option("--decode-weights", help="How the CPU holds the weights: gguf (a GGUF file's own blocks, memory-mapped, computed on in place: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), int4 or int8 (a bf16 model, or an fp32 one where the C kernels build: dequantized weights plus quantized copies for decode steps), off (dequantized weights only; also keeps an fp32 model's K/V cache in fp32, else it is bf16 where the C attention kernel runs), or auto: gguf for GGUF models of 500M weights or more, else int4 for 4-bit files and int8 for others.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: one per physical core).", envvar="INDEXPOOL_THREADS")]
-MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens to generate.")]
+MAX_NEW_TOKENS = 1 << 20  # 1M: as long as the longest context IndexPool is built for; more is a typo
+MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, max=MAX_NEW_TOKENS, help="Most tokens to generate.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object per result instead of streaming text.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or statistics on stderr.")]
 
@@ -137,7 +138,7 @@ class RemoteChoice:
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar=["INDEXPOOL_API_KEY", "OPENAI_API_KEY"], show_default=False, help="--backend openai: the server's API key.")] = None
     model_name: Annotated[Optional[str], typer.Option("--model-name", help="--backend openai: the served model to use (default: the one the server lists first).")] = None
     max_concurrency: Annotated[int, typer.Option("--max-concurrency", min=1, help="--backend openai: most requests in flight at once.")] = 4
-    timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="--backend openai: seconds to wait for the server's next bytes before giving up on a request.")] = 600.0
+    timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="--backend openai: seconds a request may take in all, its retries and their waits included.")] = 600.0
     retries: Annotated[int, typer.Option("--retries", min=0, help="--backend openai: retries of a request after a connection error or a busy server (429/503), with backoff.")] = 3
     context_length: Annotated[Optional[int], typer.Option("--context-length", min=1, help="--backend openai: the server's context in tokens, where it does not report it (vLLM and SGLang do).")] = None
 
@@ -399,7 +400,7 @@ def summarize(
     paths: PathsArg,
     length: Annotated[str, typer.Option("--length", help="short, medium or long.")] = "medium",
     focus: Annotated[Optional[str], typer.Option("--focus", help="A topic to focus on.")] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens to generate (default: by --length).")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", "-n", min=1, max=MAX_NEW_TOKENS, help="Most tokens to generate (default: by --length).")] = None,
     strategy: Annotated[str, typer.Option("--strategy", help="single (one pass over the whole text, IndexPool), hierarchical (summaries of sections that fit the model's context, then of those), or auto: single when the document fits the model's context, else hierarchical (benchmarks/summary_coverage.py: the default model's one-pass summaries of longer documents degenerate).")] = "auto",
     section_tokens: Annotated[Optional[int], typer.Option("--section-tokens", min=64, help="Hierarchical: most tokens per section (default: the model's context less 1024).")] = None,
     together: Annotated[bool, typer.Option("--together", help="Several paths: read them as one document and write one summary (default: a summary of each, those that fit the model's context decoded as one batch).")] = False,
@@ -456,7 +457,7 @@ def chat(
     while True:
         if interactive:
             err_console.print("[bold cyan]you>[/bold cyan] ", end="")
-        line = sys.stdin.readline()
+        line = read_message(sys.stdin)
         if not line:
             break
         line = line.strip()
@@ -491,7 +492,7 @@ CacheDirOpt = Annotated[Optional[Path], typer.Option("--cache-dir", help="Docume
 @cache_app.command("list")
 def cache_list(cache_dir: CacheDirOpt = None, json_out: JsonOpt = False):
     """List cached documents, most recently used first."""
-    from indexpool.model.tensor_cache import TensorCache
+    from indexpool.model.tensor_cache import TensorCache, orphaned_temporaries
 
     cache = TensorCache(cache_directory(cache_dir))
     entries = cache.entries()
@@ -506,18 +507,23 @@ def cache_list(cache_dir: CacheDirOpt = None, json_out: JsonOpt = False):
     if err_console.is_terminal:
         err_console.print(f"[dim]{len(entries)} entries, {sum(e.size for e in entries) / 2**20:.1f} MiB in {cache.directory} "
                           f"(limit {cache.limit_bytes / 2**30:.0f} GiB)[/dim]")
+    orphans = orphaned_temporaries(cache.directory)
+    if orphans:
+        size = sum(path.stat().st_size for path in orphans if path.exists())
+        err_console.print(f"{len(orphans)} unfinished files of interrupted saves ({size / 2**20:.1f} MiB): the next "
+                          "save or `indexpool cache clear` removes them", markup=False)
 
 
 @cache_app.command("clear")
 def cache_clear(cache_dir: CacheDirOpt = None):
-    """Delete every cached document, and the results kept from servers (--backend openai)."""
+    """Delete every cached document, and the results kept from servers (--backend openai). Only files the cache
+    wrote, in a directory it made (tagged with CACHEDIR.TAG), are deleted."""
     from indexpool.model.tensor_cache import TensorCache
 
+    from .jobs import ResultCache
+
     cache = TensorCache(cache_directory(cache_dir))
-    freed = cache.clear()
-    for kept in (cache.directory / RESULTS).glob("*.json"):
-        freed += kept.stat().st_size
-        kept.unlink()
+    freed = cache.clear() + ResultCache(cache.directory / RESULTS).clear()
     err_console.print(f"freed {freed / 2**20:.1f} MiB in {cache.directory}", markup=False)
 
 
@@ -724,7 +730,7 @@ def bench(
     decode_tokens: Annotated[int, typer.Option("--decode-tokens", help="Tokens timed per decode run.")] = 32,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs per figure; the median is reported.")] = 3,
     engines: Annotated[str, typer.Option("--engines", help="Comma-separated: indexpool, transformers, llama.cpp (skipped if not installed).")] = "indexpool,transformers,llama.cpp",
-    decode_weights: Annotated[str, typer.Option("--decode-weights", help="Comma-separated --decode-weights choices for our engine, each run in turn (auto, int4, int8, off); the ratios are the first one's.")] = "auto",
+    decode_weights: Annotated[str, typer.Option("--decode-weights", help="Comma-separated --decode-weights choices for our engine, each run in turn (auto, gguf, int4, int8, off); the ratios are the first one's.")] = "auto",
     json_out: JsonOpt = False,
 ):
     """Benchmark our engine against transformers (and llama.cpp if installed) on the same weights."""
@@ -751,22 +757,51 @@ command(distill)
 
 
 def main() -> None:
+    """Run the command line with one error path: every failure ends as one line `indexpool: error: ...` with its
+    exit code (usage 2, bad input 3, runtime 1, interrupted 130), Click's usage errors included."""
     import typer.main
 
     from .settings import ConfigError, default_map
 
+    # Click's exception classes as the installed typer raises them (its own copy of click in recent versions)
+    usage_error, click_exception = typer.BadParameter.__mro__[1:3]
+    help_only = getattr(sys.modules[usage_error.__module__], "NoArgsIsHelpError", ())  # a group run bare
+
+    if sys.stdin is None:  # started with stdin closed (`<&-`): reading it gives no input, as from /dev/null
+        sys.stdin = open(os.devnull)
+    if sys.stdout is None:
+        fail("standard output is closed (`>&-`); send it to a file or to /dev/null", code=2)
     try:
         group = typer.main.get_command(app)
         try:
             defaults = default_map(group)
         except ConfigError as e:
             fail(str(e), code=2)
-        group.main(prog_name="indexpool", default_map=defaults, auto_envvar_prefix="INDEXPOOL")
+        code = group.main(prog_name="indexpool", default_map=defaults, auto_envvar_prefix="INDEXPOOL",
+                          standalone_mode=False)
+    except help_only as e:
+        err_console.print(e.format_message(), markup=False, highlight=False)
+        sys.exit(2)
+    except usage_error as e:
+        where = e.ctx.command_path if e.ctx else "indexpool"
+        fail(f"{' '.join(e.format_message().split())} (see '{where} --help')", code=2)
+    except click_exception as e:
+        fail(" ".join(e.format_message().split()), code=e.exit_code)
+    except typer.Abort:  # end of input at a prompt
+        fail("interrupted", code=130)
     except SettingsError as e:  # a setting the engine cannot run with: a usage error
         fail(str(e), code=2)
     except (ModelLoadError, InputError, IngestError) as e:
         fail(str(e), code=3)
     except RemoteError as e:
         fail(str(e), code=1)
+    except RecursionError:
+        fail("the input is nested too deeply to read", code=3)
+    except MemoryError:
+        fail("out of memory; read less (--pages, a smaller folder) or use a smaller model", code=1)
     except Exception as e:  # anything else is our bug or the machine's; still one line, no traceback
-        fail(f"{type(e).__name__}: {e}", code=1)
+        fail(f"{type(e).__name__}: {' '.join(str(e).split())}", code=1)
+    if code == 130:  # Ctrl-C while the options were parsed (click's own exit code for it)
+        fail("interrupted", code=130)
+    if isinstance(code, int) and code:
+        sys.exit(code)

@@ -15,8 +15,26 @@ from indexpool.model.errors import InputError  # the user's input cannot be used
 err_console = Console(stderr=True, highlight=False)
 
 
+# One chat message: longer lines are refused (a line without end, such as /dev/zero, would otherwise be read whole).
+MAX_MESSAGE_CHARS = 10_000_000
+
+
+def read_message(stream) -> str:
+    """The next line of `stream` ("" at its end); InputError when it runs past MAX_MESSAGE_CHARS."""
+    try:
+        line = stream.readline(MAX_MESSAGE_CHARS + 1)
+    except UnicodeDecodeError:
+        raise InputError("the messages on stdin are not valid UTF-8; convert them first, e.g. with iconv") from None
+    if len(line) > MAX_MESSAGE_CHARS:
+        raise InputError(f"a message is longer than {MAX_MESSAGE_CHARS:,} characters: give one message a line")
+    return line
+
+
 def fail(message: str, code: int) -> NoReturn:
-    err_console.print(f"indexpool: error: {message}", markup=False, soft_wrap=True)
+    """One line on stderr (none when stderr is closed), then exit with `code`."""
+    if sys.stderr is not None:
+        with contextlib.suppress(OSError, ValueError):
+            err_console.print(f"indexpool: error: {message}", markup=False, soft_wrap=True)
     sys.exit(code)
 
 
@@ -26,7 +44,13 @@ def read_text_input(argument: str | None) -> str:
         return argument
     if argument is None and sys.stdin.isatty():
         raise InputError("no input: give the text as an argument, or '-' / a pipe to read stdin")
-    data = sys.stdin.buffer.read()
+    from .ingest import IngestOptions, OverLimit, read_at_most, size_text
+
+    limit = IngestOptions.max_input_bytes
+    try:
+        data = read_at_most(sys.stdin.buffer, limit)
+    except OverLimit:
+        raise InputError(f"stdin holds over {size_text(limit)}, the most one input may: give a shorter text") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

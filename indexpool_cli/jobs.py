@@ -25,13 +25,14 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
 from indexpool.model.errors import InputError, SettingsError
+from indexpool.model.tensor_cache import (bytes_checksum, is_cache_directory, make_cache_directory,
+                                          remove_orphaned_temporaries, write_atomically)
 from .ingest import Document, Part
 from .retrieval import LexicalIndex, combined
 
@@ -253,8 +254,9 @@ def cache_key(identity: dict) -> str:
 
 
 class ResultCache:
-    """Results of reproducible requests, one JSON file each (`<key>.json`, written to a temporary name and
-    renamed); an unreadable file counts as absent and is removed."""
+    """Results of reproducible requests, one file each (`<key>.json`: a line with the XXH3-128 checksum of the
+    rest, then the result's JSON), written atomically into a tagged cache directory; a file that fails its
+    checksum or does not parse counts as absent and is removed."""
 
     def __init__(self, directory):
         self.directory = Path(directory)
@@ -267,10 +269,13 @@ class ResultCache:
     def get(self, key: str) -> JobResult | None:
         path = self.directory / f"{key}.json"
         try:
-            result = JobResult.from_json(json.loads(path.read_text()))
+            checksum, _, payload = path.read_bytes().partition(b"\n")
+            if checksum.decode("ascii", "replace") != bytes_checksum(payload):
+                raise ValueError("checksum mismatch")
+            result = JobResult.from_json(json.loads(payload))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             path.unlink(missing_ok=True)
             return None
         result.cached = True
@@ -279,17 +284,22 @@ class ResultCache:
         return result
 
     def put(self, key: str, result: JobResult) -> None:
-        tmp = None
+        payload = json.dumps(result.to_json()).encode()
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(result.to_json(), f)
-            os.replace(tmp, self.directory / f"{key}.json")
+            make_cache_directory(self.directory)
+            write_atomically(self.directory / f"{key}.json", bytes_checksum(payload).encode() + b"\n" + payload)
         except OSError:  # no room or no permission: the result was shown, only not kept
-            if tmp is not None:
+            pass
+
+    def clear(self) -> int:
+        """Delete the kept results (and orphaned temporary files); returns the bytes freed."""
+        freed = remove_orphaned_temporaries(self.directory)
+        for path in self.directory.glob("*.json") if is_cache_directory(self.directory) else []:
+            if re.fullmatch(r"[0-9a-f]{32}\.json", path.name):
                 with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                    freed += path.stat().st_size
+                    path.unlink()
+        return freed
 
 
 class InOrder:

@@ -768,10 +768,10 @@ class LocalBackend:
         from indexpool.model.generate import GenerationStats
         from indexpool.model.errors import InputError
 
+        if not text:  # checked before the model loads
+            raise InputError("the prompt is empty")
         tokenizer = self.loaded.tokenizer
         ids = ([tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []) + tokenizer.encode(text)
-        if not ids:
-            raise InputError("the prompt is empty")
         if speculative:
             session = sessions.speculative_session(self.loaded, self.options, len(ids) + max_new_tokens,
                                                    self.sampler.params.temperature)

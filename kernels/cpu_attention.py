@@ -11,8 +11,8 @@ on an AVX2 CPU, one thread, 1.21x as fast as the flash kernel over a 4K prompt r
 skips the key blocks a segment's mask hides, which the flash kernel computes). It runs only where it measured
 faster.
 
-The decode kernel needs AVX-512, or AVX2 with FMA (fp32 and bf16 caches on either; bf16 widened to fp32 where
-there is no AVX512-BF16); the prefill kernel bf16 with AVX512-BF16 or fp32 with AVX2 and no AVX-512
+The decode kernel needs AVX-512 (fp32 caches; bf16 ones with AVX512-BF16), or AVX2 with FMA (fp32 and bf16
+caches, bf16 widened to fp32); the prefill kernel bf16 with AVX512-BF16 or fp32 with AVX2 and no AVX-512
 (`prefill_kernel_runs`). The library is compiled on
 first use with the system's C compiler (`$CC`, else `cc`) for this CPU (`-march=native`), checked in a child
 process, and kept in the indexpool cache directory; no build step at install. Without a compiler or those

@@ -10,13 +10,14 @@ layer `num_hidden_layers`. The vision tower is not loaded: the engine runs text 
 
 from __future__ import annotations
 
-import json
 import math
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from .errors import ModelLoadError
+from .gguf_file import shown
 from .glm5_next import MODEL_TYPES, Glm5NextConfig, Glm5NextModel
 from indexpool.kernels.index_math import FP8_DTYPE
 
@@ -50,20 +51,67 @@ def read_config(path: Path) -> tuple[dict, Glm5NextConfig]:
     from .loader import read_hf_config  # loader routes glm5_next directories here: imported late, no cycle
 
     raw = read_hf_config(path)
+    _check_values(raw, path / "config.json")
     try:
         return raw, Glm5NextConfig.from_hf(raw)
-    except ValueError as e:
+    except (ValueError, TypeError, AttributeError, KeyError) as e:  # values of the right type that do not fit
         raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
 
 
+# Bounds on the numbers a config.json gives, checked before the config builds its per-layer lists and the model its
+# parameters: far beyond GLM-5.3-Flash, and small enough that a damaged or hostile file allocates nothing.
+MAX_LAYERS = 1024
+MAX_SIZE = 1 << 24
+_MAY_BE_ZERO = {"n_shared_experts", "num_nextn_predict_layers"}
+_LINEAR_KEYS = {"num_heads": "linear_num_heads", "head_dim": "linear_head_dim",
+                "short_conv_kernel_size": "linear_conv_kernel_dim"}
+
+
+def _check_values(raw: dict, where: Path) -> None:
+    """Each value config.json gives for a Glm5NextConfig field is of the field's type, and in range."""
+    cfg = {**raw, **raw["text_config"]} if isinstance(raw.get("text_config"), dict) else raw
+    linear = cfg.get("linear_attn_config")
+    if linear is not None and not isinstance(linear, dict):
+        raise ModelLoadError(f"{where}: 'linear_attn_config' is {shown(linear)}, not an object")
+    # Our field names, with the key each value was given under.
+    given = {name: (name, value) for name, value in cfg.items()}
+    given.update({ours: (f"linear_attn_config.{theirs}", (linear or {}).get(theirs))
+                  for theirs, ours in _LINEAR_KEYS.items()})
+    if "n_routed_experts" not in cfg:
+        given["n_routed_experts"] = ("num_local_experts", cfg.get("num_local_experts"))
+    for f in fields(Glm5NextConfig):
+        key, value = given.get(f.name, (f.name, None))
+        if value is None:
+            continue
+        if f.type == "int":
+            least = 0 if f.name in _MAY_BE_ZERO else 1
+            most = MAX_LAYERS if f.name in ("num_hidden_layers", "num_nextn_predict_layers") else MAX_SIZE
+            if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+                raise ModelLoadError(f"{where}: '{key}' is {shown(value)}, not a whole number from {least} "
+                                     f"to {most:,}")
+        elif f.type in ("float", "float | None"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ModelLoadError(f"{where}: '{key}' is {shown(value)}, not a number")
+        elif f.type == "bool" and not isinstance(value, bool):
+            raise ModelLoadError(f"{where}: '{key}' is {shown(value)}, not true or false")
+        elif f.type == "list[str]" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise ModelLoadError(f"{where}: '{key}' is {shown(value)}, not a list of names")
+
+
 def _fp8_block(raw: dict, where: Path) -> tuple[int, int]:
-    quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    quant = raw.get("quantization_config") or text.get("quantization_config") or {}
+    if not isinstance(quant, dict):
+        raise ModelLoadError(f"{where}: 'quantization_config' is {shown(quant)}, not an object")
     method = quant.get("quant_method", "fp8")
     if method != "fp8":
-        raise ModelLoadError(f"{where}: quantization '{method}' is not supported (BF16/FP32, or FP8 with "
+        raise ModelLoadError(f"{where}: quantization {shown(method)} is not supported (BF16/FP32, or FP8 with "
                              "block scales, are)")
     block = quant.get("weight_block_size") or DEFAULT_FP8_BLOCK
-    return int(block[0]), int(block[1])
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= MAX_SIZE for b in block)):
+        raise ModelLoadError(f"{where}: 'weight_block_size' is {shown(block)}, not two whole numbers")
+    return block[0], block[1]
 
 
 def checkpoint_name(ours: str, prefix: str, mtp_layer: int) -> str:
@@ -94,7 +142,7 @@ def load_glm5_next(path: str | Path, dtype: torch.dtype = torch.bfloat16, device
 
 def _load(path: Path, dtype: torch.dtype, device, with_mtp: bool) -> tuple[Glm5NextModel, dict, int]:
     """The model, the raw config.json and the bits per weight of the stored layer weights."""
-    from .loader import open_safetensors
+    from .loader import check_weights_fit, open_safetensors
 
     raw, config = read_config(path)
     block = _fp8_block(raw, path / "config.json")
@@ -133,6 +181,7 @@ def _load(path: Path, dtype: torch.dtype, device, with_mtp: bool) -> tuple[Glm5N
 
     with torch.device("meta"):
         model = Glm5NextModel(config, with_mtp=has_mtp and with_mtp, mtp_own_head=own_head is not None)
+    check_weights_fit(model, path)
     model = model.to_empty(device=device).to(dtype).keep_fp32_parameters()
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -175,13 +224,13 @@ def load_glm5_next_dir(path: Path, dtype: torch.dtype, device: str | torch.devic
 def generation_stop_ids(path: Path) -> frozenset[int]:
     """The `eos_token_id`s of generation_config.json: GLM chat models end a reply with the next turn's marker
     (`<|user|>`, `<|observation|>`), listed there beside `<|endoftext|>`, not in the tokenizer files."""
+    from .loader import read_json_file
+
     config_file = path / "generation_config.json"
     if not config_file.exists():
         return frozenset()
-    try:
-        ids = json.loads(config_file.read_text()).get("eos_token_id")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ModelLoadError(f"{config_file}: cannot read it ({type(e).__name__}: {e})") from None
+    config = read_json_file(config_file)
+    ids = config.get("eos_token_id") if isinstance(config, dict) else None
     ids = [ids] if isinstance(ids, int) else ids or []
     if not all(isinstance(i, int) for i in ids):
         raise ModelLoadError(f"{config_file}: eos_token_id must be a token id or a list of them, not {ids!r}")

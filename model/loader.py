@@ -7,6 +7,7 @@ gate/up and fills the model. Hyperparameters come from the file's own metadata; 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from gguf import GGML_QUANT_SIZES
 
 from .default_model import default_model_path
 from .errors import ModelLoadError
-from .gguf_file import GGUFFile, read_gguf
+from .gguf_file import GGUFFile, read_gguf, shown
 from .llama import LlamaConfig, Transformer, rope_scaling_factors
 from .tokenizer import Tokenizer
 
@@ -126,34 +127,138 @@ GGUF_LAYER_NAMES = {
 
 
 def gguf_config(g: GGUFFile) -> LlamaConfig:
+    """The model's hyperparameters from the file's metadata, checked against its tensors' shapes (ModelLoadError)."""
     arch = g.architecture
     if arch not in GGUF_ARCHS:
-        raise ModelLoadError(f"unsupported model architecture '{arch}' in {g.path.name} (supported: {', '.join(GGUF_ARCHS)})")
-    need = lambda key: _required(g.arch_value(key), f"{arch}.{key}", g.path)  # noqa: E731
-    dim, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
-    n_kv = g.arch_value("attention.head_count_kv", n_heads)
-    head_dim = int(g.arch_value("attention.key_length", dim // n_heads))
-    vocab = g.arch_value("vocab_size") or len(g.metadata.get("tokenizer.ggml.tokens", []))
-    freq_factors = None
-    if "rope_freqs.weight" in g.tensors:  # Llama 3.1 long-context scaling, stored as a tensor by llama.cpp
-        freq_factors = g.tensor("rope_freqs.weight").tolist()
-    return LlamaConfig(
+        raise ModelLoadError(f"unsupported model architecture {shown(arch)} in {g.path.name} (supported: {', '.join(GGUF_ARCHS)})")
+    values = _ConfigValues(lambda key: g.arch_value(key), g.path, prefix=f"{arch}.")
+    dim, n_heads = values.size("embedding_length", "dim"), values.size("attention.head_count", "n_heads")
+    tokens = g.metadata.get("tokenizer.ggml.tokens")
+    vocab = g.arch_value("vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
+    config = _checked(LlamaConfig(
         arch=arch,
-        vocab_size=int(vocab),
+        vocab_size=values.size("vocab_size", "vocab_size", given=vocab),
         dim=dim,
-        n_layers=int(need("block_count")),
+        n_layers=values.size("block_count", "n_layers"),
         n_heads=n_heads,
-        n_kv_heads=int(n_kv),
-        head_dim=head_dim,
-        ffn_dim=int(need("feed_forward_length")),
-        rope_theta=float(g.arch_value("rope.freq_base", 10000.0)),
-        norm_eps=float(g.arch_value("attention.layer_norm_rms_epsilon", 1e-5)),
-        context_length=int(g.arch_value("context_length", 4096)),
+        n_kv_heads=values.size("attention.head_count_kv", "n_heads", default=n_heads),
+        head_dim=values.size("attention.key_length", "head_dim", default=dim // n_heads),
+        ffn_dim=values.size("feed_forward_length", "ffn_dim"),
+        rope_theta=values.number("rope.freq_base", 10000.0),
+        norm_eps=values.number("attention.layer_norm_rms_epsilon", 1e-5, zero_allowed=True),
+        context_length=values.size("context_length", "context_length", default=4096),
         tie_embeddings="output.weight" not in g.tensors,
         qkv_bias="blk.0.attn_q.bias" in g.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
-        rope_freq_factors=freq_factors,
-    )
+    ), g.path)
+    _check_gguf_shapes(config, g)
+    if "rope_freqs.weight" in g.tensors:  # Llama 3.1 long-context scaling, stored as a tensor by llama.cpp
+        config.rope_freq_factors = g.tensor("rope_freqs.weight").tolist()
+    return config
+
+
+def _check_gguf_shapes(config: LlamaConfig, g: GGUFFile) -> None:
+    """Every tensor the model reads is in the file, of the shape the metadata gives: the metadata cannot make the
+    model larger than the file, and a wrong shape fails here, before any weight is allocated."""
+    c = config
+    expected = {"token_embd.weight": (c.vocab_size, c.dim), "output_norm.weight": (c.dim,)}
+    if not c.tie_embeddings:
+        expected["output.weight"] = (c.vocab_size, c.dim)
+    if "rope_freqs.weight" in g.tensors:
+        expected["rope_freqs.weight"] = (c.head_dim // 2,)
+    per_layer = {"attn_norm": (c.dim,), "q": (c.q_dim, c.dim), "k": (c.kv_dim, c.dim), "v": (c.kv_dim, c.dim),
+                 "o": (c.dim, c.q_dim), "ffn_norm": (c.dim,), "gate": (c.ffn_dim, c.dim), "up": (c.ffn_dim, c.dim),
+                 "down": (c.dim, c.ffn_dim)}
+    if c.qkv_bias:
+        per_layer.update(q_bias=(c.q_dim,), k_bias=(c.kv_dim,), v_bias=(c.kv_dim,))
+    if c.qk_norm:
+        per_layer.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
+    for i in range(c.n_layers):
+        expected.update({f"blk.{i}.{GGUF_LAYER_NAMES[role]}": shape for role, shape in per_layer.items()})
+    for name, shape in expected.items():
+        info = g.tensors.get(name)
+        if info is None:
+            raise ModelLoadError(f"{g.path.name}: tensor '{name}' is missing; the file is incomplete or not a "
+                                 "llama-family model")
+        if info.shape != shape:
+            raise ModelLoadError(f"{g.path.name}: tensor '{name}' has shape {info.shape}, but the metadata gives "
+                                 f"{shape}: the file is damaged")
+
+
+# Bounds on a model's sizes, checked before anything is allocated, so that a damaged or hostile config.json or GGUF
+# header cannot ask for terabytes; far beyond any model of these families.
+SIZE_LIMITS = {"dim": 1 << 16, "n_layers": 1024, "n_heads": 1024, "head_dim": 1024, "ffn_dim": 1 << 20,
+               "vocab_size": 1 << 22, "context_length": 1 << 24}
+# context_length x head_dim: the RoPE tables are built for the whole context at load (1M tokens x 128 at most)
+MAX_ROPE_ENTRIES = 1 << 27
+
+
+class _ConfigValues:
+    """Hyperparameters read from a config.json or GGUF metadata, each checked to be of the right type and range;
+    a ModelLoadError names the key, the value and the file."""
+
+    def __init__(self, get: Callable[[str], object], where: Path, prefix: str = ""):
+        self.get, self.where, self.prefix = get, where, prefix
+
+    def size(self, key: str, kind: str, default: int | None = None, given: object = None) -> int:
+        """A whole number from 1 to SIZE_LIMITS[kind]: the key's value (`given` when the caller found it), or
+        `default` when it is absent; required when there is no default."""
+        value = self.get(key) if given is None else given
+        if value is None:
+            if default is None:
+                raise ModelLoadError(f"{self.where}: required metadata '{self.prefix}{key}' is missing")
+            value = default
+        most = SIZE_LIMITS[kind]
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise ModelLoadError(f"{self.where}: '{self.prefix}{key}' is {shown(value)}, not a whole number "
+                                 f"from 1 to {most:,}")
+        return value
+
+    def number(self, key: str, default: float, zero_allowed: bool = False) -> float:
+        """A finite number above 0 (or 0, where allowed); `default` when the key is absent."""
+        value = self.get(key)
+        if value is None:
+            return default
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or value < 0 or (value == 0 and not zero_allowed)):
+            least = "0 or more" if zero_allowed else "above 0"
+            raise ModelLoadError(f"{self.where}: '{self.prefix}{key}' is {shown(value)}, not a number {least}")
+        return float(value)
+
+
+def _checked(config: LlamaConfig, where: Path) -> LlamaConfig:
+    """The relations between the sizes that attention and RoPE need."""
+    if config.n_heads % config.n_kv_heads:
+        raise ModelLoadError(f"{where}: {config.n_heads} attention heads cannot be shared by {config.n_kv_heads} "
+                             "key/value heads (it must divide them)")
+    if config.head_dim % 2:
+        raise ModelLoadError(f"{where}: the head dimension {config.head_dim} is odd; RoPE rotates pairs")
+    if config.context_length * config.head_dim > MAX_ROPE_ENTRIES:
+        raise ModelLoadError(f"{where}: a context of {config.context_length:,} tokens with heads of "
+                             f"{config.head_dim} needs RoPE tables over {MAX_ROPE_ENTRIES:,} entries: is it damaged?")
+    return config
+
+
+# The tokenizer's metadata and the type each must have (when present; the tokens are required).
+_TOKENIZER_METADATA = {
+    "tokenizer.ggml.tokens": (list, str, "a list of token strings"),
+    "tokenizer.ggml.token_type": (list, int, "a list of integers"),
+    "tokenizer.ggml.merges": (list, str, "a list of strings"),
+    **{f"tokenizer.ggml.{key}": (int, None, "a token id") for key in (
+        "bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "eot_token_id", "eom_token_id")},
+    **{key: (str, None, "a string") for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template")},
+}
+
+
+def _check_tokenizer_metadata(g: GGUFFile) -> None:
+    """The tokenizer's metadata is of the types the tokenizer reads, so that a damaged file fails in one line."""
+    if "tokenizer.ggml.tokens" not in g.metadata:
+        raise ModelLoadError(f"{g.path}: required metadata 'tokenizer.ggml.tokens' is missing")
+    for key, (kind, item, what) in _TOKENIZER_METADATA.items():
+        value = g.metadata.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)
+                                  or (item and not all(isinstance(v, item) for v in value))):
+            raise ModelLoadError(f"{g.path}: metadata '{key}' is not {what}")
 
 
 def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -165,6 +270,7 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def _load_gguf(path: Path, dtype, device, weights: bool = True, blocks: bool = False) -> LoadedModel:
     g = read_gguf(path)
     config = gguf_config(g)
+    _check_tokenizer_metadata(g)
     tokenizer = Tokenizer.from_gguf_metadata(g.metadata)
     permuted = GGUF_ARCHS[config.arch]
     block, type_size = GGML_QUANT_SIZES[g.tensors["blk.0.ffn_up.weight"].qtype]
@@ -259,36 +365,54 @@ HF_LAYER_NAMES = {
 
 
 def hf_config(cfg: dict, path: Path) -> LlamaConfig:
-    if "text_config" in cfg:
+    """The model's hyperparameters from a config.json (as read_hf_config gives it), each checked (ModelLoadError)."""
+    where = path / "config.json"
+    if isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg, **cfg["text_config"]}
     model_type = cfg.get("model_type", "unknown")
-    if model_type not in HF_MODEL_TYPES:
-        raise ModelLoadError(f"unsupported model architecture '{model_type}' in {path} (supported: {', '.join(sorted(HF_MODEL_TYPES))})")
-    need = lambda key: _required(cfg.get(key), key, path / "config.json")  # noqa: E731
-    dim, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
-    head_dim = int(cfg.get("head_dim") or dim // n_heads)
-    theta = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES:
+        raise ModelLoadError(f"unsupported model architecture {shown(model_type)} in {path} (supported: {', '.join(sorted(HF_MODEL_TYPES))})")
+    values = _ConfigValues(cfg.get, where)
+    dim, n_heads = values.size("hidden_size", "dim"), values.size("num_attention_heads", "n_heads")
+    head_dim = values.size("head_dim", "head_dim", default=dim // n_heads)
+    parameters = cfg.get("rope_parameters") or {}  # transformers 5: rope_theta and the scaling together
+    scaling = cfg.get("rope_scaling") or parameters
+    for key, value in (("rope_parameters", parameters), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise ModelLoadError(f"{where}: '{key}' is {shown(value)}, not an object")
+    theta = (values.number("rope_theta", 0.0)
+             or _ConfigValues(parameters.get, where, prefix="rope_parameters.").number("rope_theta", 0.0) or 10000.0)
     scaling_type = scaling.get("rope_type", scaling.get("type", "default"))
     if scaling_type not in ("default", "llama3"):
-        raise ModelLoadError(f"unsupported RoPE scaling '{scaling_type}' in {path / 'config.json'}")
-    return LlamaConfig(
+        raise ModelLoadError(f"unsupported RoPE scaling {shown(scaling_type)} in {where}")
+    config = _checked(LlamaConfig(
         arch=model_type,
-        vocab_size=int(need("vocab_size")),
+        vocab_size=values.size("vocab_size", "vocab_size"),
         dim=dim,
-        n_layers=int(need("num_hidden_layers")),
+        n_layers=values.size("num_hidden_layers", "n_layers"),
         n_heads=n_heads,
-        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        n_kv_heads=values.size("num_key_value_heads", "n_heads", default=n_heads),
         head_dim=head_dim,
-        ffn_dim=int(need("intermediate_size")),
+        ffn_dim=values.size("intermediate_size", "ffn_dim"),
         rope_theta=theta,
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        context_length=int(cfg.get("max_position_embeddings", 4096)),
+        norm_eps=values.number("rms_norm_eps", 1e-6, zero_allowed=True),
+        context_length=values.size("max_position_embeddings", "context_length", default=4096),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
         qk_norm=model_type == "qwen3",
-        rope_freq_factors=rope_scaling_factors(head_dim, theta, scaling) if scaling_type == "llama3" else None,
-    )
+    ), where)
+    if scaling_type == "llama3":
+        rope = _ConfigValues(scaling.get, where, prefix="rope_scaling.")
+        for key in ("factor", "original_max_position_embeddings"):
+            if scaling.get(key) is None:
+                raise ModelLoadError(f"{where}: required metadata 'rope_scaling.{key}' is missing")
+        numbers = {key: rope.number(key, default) for key, default in (
+            ("factor", 1.0), ("original_max_position_embeddings", 1.0), ("low_freq_factor", 1.0),
+            ("high_freq_factor", 4.0))}
+        if numbers["high_freq_factor"] <= numbers["low_freq_factor"]:
+            raise ModelLoadError(f"{where}: rope_scaling's high_freq_factor is not above its low_freq_factor")
+        config.rope_freq_factors = rope_scaling_factors(head_dim, theta, numbers)
+    return config
 
 
 def open_safetensors(path: Path) -> Callable[[str], torch.Tensor | None]:
@@ -297,7 +421,13 @@ def open_safetensors(path: Path) -> Callable[[str], torch.Tensor | None]:
 
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json_file(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        # Shards are files of this directory: a name with a path in it could point anywhere.
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) and f.isprintable() and f == Path(f).name and f not in ("", ".", "..")
+                for f in weight_map.values()):
+            raise ModelLoadError(f"{index}: 'weight_map' must map tensor names to file names in {path}")
         files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
@@ -305,19 +435,62 @@ def open_safetensors(path: Path) -> Callable[[str], torch.Tensor | None]:
     if not files:
         raise ModelLoadError(f"no .safetensors weights in {path}")
     handles = {}
-    try:
-        for f in files:
+    for f in files:
+        if not (path / f).is_file():  # a named pipe would block the open, a device never end
+            raise ModelLoadError(f"cannot read weights {path / f}: not a regular file")
+        try:
             handles[f] = safe_open(str(path / f), framework="pt")
-    except Exception as e:
-        raise ModelLoadError(f"cannot read weights {path / f}: {e}") from None
+        except Exception as e:  # the safetensors library's own errors: a damaged header, sizes that do not add up
+            raise ModelLoadError(f"cannot read weights {path / f}: {_one_line(e)}") from None
     if weight_map is None:
         weight_map = {name: f for f, h in handles.items() for name in h.keys()}
 
     def lookup(name: str) -> torch.Tensor | None:
         f = weight_map.get(name)
-        return None if f is None else handles[f].get_tensor(name)
+        if f is None:
+            return None
+        try:
+            return handles[f].get_tensor(name)
+        except Exception as e:  # a tensor the index places in a shard that lacks it, or of a dtype torch lacks
+            raise ModelLoadError(f"cannot read tensor '{name}' from {path / f}: {_one_line(e)}") from None
 
     return lookup
+
+
+MAX_JSON_BYTES = 64 << 20  # a model's config.json and shard index: kilobytes, a few megabytes for large MoE models
+
+
+def read_json_file(file: Path) -> object:
+    """A model directory's JSON file; a one-line ModelLoadError when it is not a regular file, is over
+    MAX_JSON_BYTES, or is not JSON."""
+    if not file.is_file():  # a named pipe would block the read, a device never end
+        raise ModelLoadError(f"{file} is not a regular file")
+    try:
+        with open(file, "rb") as f:
+            data = f.read(min(os.fstat(f.fileno()).st_size, MAX_JSON_BYTES) + 1)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {file}: {e.strerror or e}") from None
+    if len(data) > MAX_JSON_BYTES:
+        raise ModelLoadError(f"{file} is over {MAX_JSON_BYTES:,} bytes: too large for a model's JSON file")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # bad syntax or encoding, huge integers, nesting past the stack
+        raise ModelLoadError(f"{file} is not valid JSON: {_one_line(e)}") from None
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def check_weights_fit(model: torch.nn.Module, path: Path) -> None:
+    """A config.json that describes more weights (of `model`, built on the meta device) than the directory's
+    .safetensors files hold, at one byte each (FP8's), does not belong to them: refused before anything is
+    allocated for it."""
+    weights = sum(p.numel() for p in model.parameters())
+    stored = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    if weights > stored:
+        raise ModelLoadError(f"{path / 'config.json'} describes a model of {weights:,} weights, more than the "
+                             f"{stored:,} bytes of its .safetensors files hold: it does not belong to them")
 
 
 def read_hf_config(path: Path) -> dict:
@@ -325,10 +498,11 @@ def read_hf_config(path: Path) -> dict:
     config_file = path / "config.json"
     if not config_file.exists():
         raise ModelLoadError(f"{path} has no config.json; give a Hugging Face model directory or a .gguf file")
-    try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from None
+    config = read_json_file(config_file)
+    if not isinstance(config, dict):
+        kind = "an array" if isinstance(config, list) else "a string" if isinstance(config, str) else json.dumps(config)
+        raise ModelLoadError(f"{config_file} holds {kind}, not a JSON object of settings")
+    return config
 
 
 def _load_hf_dir(path: Path, dtype, device, weights: bool = True) -> LoadedModel:
@@ -338,6 +512,8 @@ def _load_hf_dir(path: Path, dtype, device, weights: bool = True) -> LoadedModel
     if is_glm5_next(raw):
         return load_glm5_next_dir(path, dtype, device)
     config = hf_config(raw, path)
+    with torch.device("meta"):
+        check_weights_fit(Transformer(config), path)
     tokenizer = Tokenizer.from_hf_dir(path)
     lookup = open_safetensors(path)
 
@@ -356,9 +532,3 @@ def _load_hf_dir(path: Path, dtype, device, weights: bool = True) -> LoadedModel
     size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     bits = torch.finfo(get("0.up").dtype).bits
     return LoadedModel(model, tokenizer, config, path, raw.get("_name_or_path") or path.name, size, bits)
-
-
-def _required(value, key: str, where: Path):
-    if value is None:
-        raise ModelLoadError(f"{where}: required metadata '{key}' is missing")
-    return value

@@ -37,11 +37,15 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
+MAX_THREADS = 64  # the C kernels' fixed thread tables (kernels/cpu_decode.c, cpu_attention.c)
+
+
 def set_threads(threads: int | None) -> int:
     """Use the given thread count, else PyTorch's default (one per physical core)."""
     if threads is not None:
-        if threads < 1:
-            raise ValueError("threads must be >= 1")
+        if not 1 <= threads <= MAX_THREADS:
+            raise ValueError(f"--threads {threads} is out of range: give 1 to {MAX_THREADS} "
+                             f"(this machine has {os.cpu_count()} CPUs)")
         torch.set_num_threads(threads)
     return torch.get_num_threads()
 
@@ -128,19 +132,22 @@ def load_engine(model: str | os.PathLike | None, dtype: str = "auto", device: st
         key = cache_key({"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
                          "dtype": str(torch_dtype), "device": str(device), "decode_weights": decode_weights,
                          "code": _weights_code_hash()})
-        saved = store.load(key, warn=lambda message: None)  # a damaged entry is simply rebuilt
+        damaged: list[str] = []
+        saved = store.load(key, warn=damaged.append)  # a damaged entry is deleted and rebuilt below
         if saved is not None:
             loaded = load_model(path, torch_dtype, device, weights=False)
             _prepare_decode(loaded, decode_weights, torch_dtype, device, compute=False)
             targets = dict(loaded.model.named_parameters()) | dict(loaded.model.named_buffers())
             if {k: t.shape for k, t in targets.items()} == {k: t.shape for k, t in saved[1].items()}:
                 with torch.no_grad():
-                    for name, tensor in saved[1].items():
-                        targets[name].copy_(tensor)
+                    for name, tensor in saved[1].items():  # the read tensors become the weights: no second copy
+                        targets[name].data = tensor.to(targets[name].dtype)
                 return loaded
     loaded = load_model(path, torch_dtype, device)
     _prepare_decode(loaded, decode_weights, torch_dtype, device)
     if store is not None:
+        loaded.model.load_notes = [*getattr(loaded.model, "load_notes", []),
+                                   *(f"prepared weights: {message}" for message in damaged)]
         tensors = dict(loaded.model.named_parameters()) | dict(loaded.model.named_buffers())
         try:
             store.save(key, [], tensors, loaded.name)

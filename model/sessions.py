@@ -15,6 +15,7 @@ from .indexpool_cache import INDEX_DTYPES, KV_STORAGE, IndexPoolConfig
 
 ATTENTION_MODES = ("auto", "dense", "indexpool")
 INDEXER_KINDS = ("auto", "training-free", "trained", "hybrid")
+MAX_SESSION_TOKENS = 1 << 22  # 4M: past the 1M IndexPool is built for; an absurd -n fails here, not in allocation
 CHAT_CONTEXT = 131072  # IndexPool capacity of an open-ended chat; memory is only touched as it fills
 MEMORY_LIMIT_VARIABLE = "INDEXPOOL_MEMORY_LIMIT"
 
@@ -146,6 +147,9 @@ def open_session(loaded, options: SessionOptions, needed_tokens: int | None, aut
     options.check()
     if loaded.config.arch == "glm5_next":
         return native_sparse_session(loaded, options, needed_tokens)
+    if needed_tokens is not None and needed_tokens > MAX_SESSION_TOKENS:
+        raise InputError(f"the input needs {needed_tokens:,} tokens (prompt + new tokens), more than the "
+                         f"{MAX_SESSION_TOKENS:,} a session holds; lower --max-new-tokens or read less")
     context = loaded.config.context_length
     settings = options.indexpool
     try:  # the knobs are checked even when this input ends up dense

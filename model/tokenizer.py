@@ -8,9 +8,13 @@ is its rank and the merge list is not needed (the parity tests check this agains
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import os
 import re
+import resource
+import sys
+import time
 import unicodedata
 from datetime import datetime
 from functools import cached_property, lru_cache
@@ -20,9 +24,9 @@ import jinja2
 import regex
 import tiktoken
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from .errors import ModelLoadError
+from .errors import InputError, ModelLoadError
 
 # Pre-tokenizer regexes, as HF tokenizer.json files and llama.cpp's llama-vocab.cpp define them.
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -324,13 +328,19 @@ class Tokenizer:
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
         # transformers also passes tools and documents (None when absent); templates test them with `is none`.
-        return _compile_chat_template(self.chat_template).render(
-            messages=messages,
-            tools=None,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **self._template_tokens,
-        )
+        try:
+            with _template_limits():
+                return _compile_chat_template(self.chat_template).render(
+                    messages=messages,
+                    tools=None,
+                    documents=None,
+                    add_generation_prompt=add_generation_prompt,
+                    **self._template_tokens,
+                )
+        except jinja2.exceptions.SecurityError as e:
+            raise InputError(f"the model's chat template was stopped: {e}") from None
+        except jinja2.exceptions.TemplateError as e:
+            raise InputError(f"the model's chat template failed: {' '.join(str(e).split())[:300]}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         ids = self.encode(self.render_chat(messages, add_generation_prompt), allow_special=True)
@@ -401,10 +411,92 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+# A chat template comes with the model file, so it runs sandboxed and bounded: real templates render in milliseconds
+# into a few KB, so these only stop one built to hang or to fill the memory.
+TEMPLATE_SECONDS = 5.0
+TEMPLATE_MEMORY_BYTES = 1 << 30  # growth of the process's peak memory while rendering
+TEMPLATE_SIZE = 1 << 24  # characters (or items) one operation may build; larger counts in arguments are refused
+_LARGE_WIDTH = re.compile(r"\d{8,}")  # a field width of 10**7 or more in a format string
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, refusing single operations that would build huge values: repetition, concatenation and powers,
+    string formatting with huge widths, calls and filters given huge counts."""
+
+    intercepted_binops = frozenset({"*", "+", "**", "%"})
+
+    def call_binop(self, context, operator, left, right):
+        sized = (str, list, tuple)
+        if operator == "*" and isinstance(left, int) and isinstance(right, sized):
+            left, right = right, left
+        if operator == "*" and isinstance(left, sized) and isinstance(right, int):
+            _check_size(len(left) * right)
+        elif operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+            _check_size(len(left) + len(right))
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int):
+            _check_size(abs(right) * max(abs(left).bit_length(), 1) // 8)
+        elif operator == "%" and isinstance(left, str) and _LARGE_WIDTH.search(left):
+            raise SecurityError("a format width too large")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
+        _check_arguments(args, kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value):  # `'{:>9}'.format` looked up in a template
+        if isinstance(getattr(value, "__self__", None), str) and _LARGE_WIDTH.search(value.__self__):
+            raise SecurityError("a format width too large")
+        return super().wrap_str_format(value)
+
+
+def _check_size(size: int) -> None:
+    if size > TEMPLATE_SIZE:
+        raise SecurityError(f"an operation would build {size:,} characters or items (at most {TEMPLATE_SIZE:,})")
+
+
+def _check_arguments(args, kwargs) -> None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int) and not isinstance(value, bool):
+            _check_size(abs(value))
+
+
+def _bounded_filter(function):
+    passed = hasattr(function, "jinja_pass_arg")  # @pass_context and friends: the context comes first
+
+    def run(*args, **kwargs):
+        _check_arguments(args[2 if passed else 1:], kwargs)  # not the filtered value itself
+        return function(*args, **kwargs)
+
+    if passed:
+        run.jinja_pass_arg = function.jinja_pass_arg
+    return run
+
+
+@contextlib.contextmanager
+def _template_limits():
+    """Stop a render that runs past TEMPLATE_SECONDS or grows the peak memory by TEMPLATE_MEMORY_BYTES: a trace
+    function checks both at each line of Python it runs (the template's compiled code and Jinja's runtime)."""
+    start, base = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+
+    def trace(frame, event, arg):
+        if time.monotonic() - start > TEMPLATE_SECONDS:
+            raise SecurityError(f"it ran over {TEMPLATE_SECONDS:.0f} s")
+        if (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024 > TEMPLATE_MEMORY_BYTES:
+            raise SecurityError(f"it took over {TEMPLATE_MEMORY_BYTES >> 20} MiB of memory")
+        return trace
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
 @lru_cache(maxsize=8)
 def _compile_chat_template(source: str) -> jinja2.Template:
-    # The template comes with the model file, so it runs sandboxed.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
+    env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_template_error
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -1,9 +1,13 @@
 """Chat rendering must equal transformers' apply_chat_template(..., tokenize=False) character for character."""
 
 import copy
+import resource
+import time
 
-import jinja2
 import pytest
+
+from indexpool.model import tokenizer
+from indexpool.model.errors import InputError
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 CONVERSATIONS = {
@@ -79,12 +83,43 @@ def test_raise_exception(default_tokenizer):
     ours.chat_template = (
         "{% if messages[0].role != 'system' %}{{ raise_exception('a system message is required') }}{% endif %}"
     )
-    with pytest.raises(jinja2.exceptions.TemplateError, match="a system message is required"):
+    with pytest.raises(InputError, match="the model's chat template failed: a system message is required"):
         ours.render_chat(CONVERSATIONS["single user turn"])
 
 
 def test_template_is_sandboxed(default_tokenizer):
     ours = copy.copy(default_tokenizer)
     ours.chat_template = "{{ messages.__class__.__mro__ }}"
-    with pytest.raises(jinja2.exceptions.SecurityError):
+    with pytest.raises(InputError, match="the model's chat template was stopped"):
         ours.render_chat(CONVERSATIONS["single user turn"])
+
+
+HOSTILE_TEMPLATES = {
+    "a string repeated": "{{ 'x' * 10000000000 }}",
+    "a count first": "{{ 10000000000 * 'x' }}",
+    "a list repeated": "{{ ([1] * 100000000) | length }}",
+    "a string doubled in a loop": ("{% set ns = namespace(s='x' * 1000) %}{% for i in range(60) %}"
+                                   "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}"),
+    "a string added to itself": ("{% set ns = namespace(s='x' * 1000) %}{% for i in range(60) %}"
+                                 "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s | length }}"),
+    "a huge power": "{{ 10 ** 100000000 }}",
+    "a format width": "{{ '%0999999999d' % 1 }}",
+    "a format method width": "{{ '{:>999999999}'.format(1) }}",
+    "a string method count": "{{ 'x'.ljust(10000000000) }}",
+    "a filter count": "{{ 'x' | center(10000000000) }}",
+    "a range too long": "{% for i in range(10000000000) %}{% endfor %}",
+    "nested loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}"
+                     "{% endfor %}{% endfor %}{% endfor %}"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_TEMPLATES))
+def test_a_hostile_template_is_stopped_in_bounded_time_and_memory(default_tokenizer, name, monkeypatch):
+    monkeypatch.setattr(tokenizer, "TEMPLATE_SECONDS", 0.5)
+    ours = copy.copy(default_tokenizer)
+    ours.chat_template = HOSTILE_TEMPLATES[name]
+    start, peak = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(InputError, match="the model's chat template (was stopped|failed)"):
+        ours.render_chat(CONVERSATIONS["single user turn"])
+    assert time.monotonic() - start < 30  # stopped at 0.5 s; the margin is for a loaded machine
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) * 1024 < 3 << 30

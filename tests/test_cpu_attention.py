@@ -47,10 +47,13 @@ def _exact(q, k, v, mask, return_lse=False):
     return (out, logits.logsumexp(-1)) if return_lse else out
 
 
-def _require_kernel():
+def _require_kernel(dtype: torch.dtype = torch.float32, dim: int = 64):
     library, origin = cpu.native_library()
     if library is None:
         pytest.skip(f"the C decode-attention kernel is not available here: {origin}")
+    if not cpu.native_attention_takes(dtype, dim):
+        pytest.skip(f"the C decode-attention kernel does not take {dtype} at head size {dim} on this CPU (bf16 needs "
+                    f"AVX512-BF16, or AVX2 without AVX-512): the torch path runs there")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -110,7 +113,7 @@ def test_fp32_queries_read_a_bf16_cache(backend, monkeypatch):
 def test_kernel_log_sum_exp(dtype):
     """With return_lse the kernel also gives the log-sum-exp of the scaled, masked logits (fp32 arithmetic on the
     rounded inputs: within 1e-5), which the IndexPool cache merges its window and far parts by."""
-    _require_kernel()
+    _require_kernel(dtype)
     q, k, v, mask = _inputs(3, 12, 4, 137, 64, [137, 5, 70], dtype)
     out, lse = cpu.native_attention(q, k, v, mask, return_lse=True)
     exact_out, exact_lse = _exact(q, k, v, mask, return_lse=True)
@@ -126,7 +129,7 @@ def test_kernel_gathers_and_rotates_keys(dtype, dim, R, one_thread):
     other row NaN: a wrong row would show), keys rotated at per-slot angles. Against fp64 attention on the same
     rows rotated in fp64 (bf16: then rounded to bf16, as the kernel rounds its fp32 rotation; bound as above).
     3 query rows per KV head: the decode kernel; 40 (a prompt's block): the prefill kernel (where it runs)."""
-    _require_kernel()
+    _require_kernel(dtype, dim)
     if R > cpu.MAX_ROWS and not cpu.prefill_kernel_runs(torch.device("cpu"), dtype, dim):
         assert cpu.native_attention(*(torch.zeros(1, 1, R, dim, dtype=dtype),) * 3) is None
         return
@@ -149,7 +152,7 @@ def test_kernel_attention_probabilities(dtype, gathered, R):
     0), 37 keys (off the 16-key blocks), or gathered rows of a store rotated at per-slot angles. The output and
     log-sum-exp match the fp64 ones too. 40 rows per KV head (a short forward sharing one selection) go to the
     decode kernel in chunks of rows when gathered; the prefill kernel gives no probabilities (None) otherwise."""
-    _require_kernel()
+    _require_kernel(dtype)
     generator = torch.Generator().manual_seed(5)
     B, KV, N, dim = 3, 2, 37, 64
     q = torch.randn(B, KV, R, dim, generator=generator).to(dtype)
@@ -266,7 +269,7 @@ def test_kernel_rows_keys_and_head_sizes(dtype, dim):
     keys with AVX-512, 8 with AVX2) and values (64 keys), at the head sizes it specialises (64, 128) and others (16,
     48: fp32 vectors in groups that do not divide them; 32, 256); two sequences, the second masked past its first
     keys. Output, log-sum-exp and probabilities against fp64, within the bounds of the tests above."""
-    _require_kernel()
+    _require_kernel(dtype, dim)
     generator = torch.Generator().manual_seed(dim)
     for keys in (1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 129):
         for R in range(1, cpu.MAX_ROWS + 1):
@@ -291,7 +294,7 @@ def test_kernel_rotates_with_tables_per_sequence(dtype, dim):
     """RoPE tables per batch entry (B, N, D): each sequence's gathered keys rotated at its own angles (IndexPool's
     far part when sequences place their selections differently), 13 rows per KV head, against fp64 as in
     test_kernel_gathers_and_rotates_keys."""
-    _require_kernel()
+    _require_kernel(dtype, dim)
     generator = torch.Generator().manual_seed(dim + 1)
     B, KV, R, N, tokens = 3, 2, 13, 45, 120
     q = torch.randn(B, KV, R, dim, generator=generator).to(dtype)
@@ -305,7 +308,7 @@ def test_kernel_rotates_with_tables_per_sequence(dtype, dim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_key_seen_gives_zeros_probabilities_and_minus_infinity(dtype):
     """A sequence whose keys are all masked, and an empty cache: output 0, log-sum-exp -inf, probabilities 0."""
-    _require_kernel()
+    _require_kernel(dtype)
     q, k, v, _ = _inputs(2, 6, 2, 21, 64, None, dtype)
     mask = torch.zeros(2, 1, 1, 21)
     mask[1] = float("-inf")

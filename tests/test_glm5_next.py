@@ -270,15 +270,16 @@ def feed_rest(model: Glm5NextModel, cache, ids: torch.Tensor, start: int) -> tor
 def test_saved_state_continues_exactly_like_the_original(tiny, ids, tmp_path, index_dtype):
     """Export after 50 tokens (mid-pool: the unfinished pool's raw keys are part of the state), save and load it
     as the document cache does, import it into a fresh cache: what follows gives the original's logits."""
-    from indexpool.model.tensor_cache import TensorCache
+    from indexpool.model.tensor_cache import TensorCache, cache_key
 
     ours = tiny.model
     original = ours.new_cache(100, index_dtype=index_dtype)
     with torch.inference_mode():
         ours(ids[:, :50], 0, original)
     documents = TensorCache(tmp_path)
-    documents.save("document", ids[0, :50].tolist(), original.export_state(50), "50 tokens")
-    tokens, state = documents.load("document", warn=pytest.fail)
+    key = cache_key({"document": "tiny"}, ids[0, :50].tolist())
+    documents.save(key, ids[0, :50].tolist(), original.export_state(50), "50 tokens")
+    tokens, state = documents.load(key, warn=pytest.fail)
     assert tokens == ids[0, :50].tolist()
     restored = ours.new_cache(100, index_dtype=index_dtype)
     restored.import_state(state)

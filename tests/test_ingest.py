@@ -61,17 +61,28 @@ def test_pdf_page_ranges(workdir, pages, expected_pages, expected_notes):
     assert document.notes == expected_notes
 
 
-@pytest.mark.parametrize("pages", ["0", "3-1", "a", "1-2-3", "", "1,,2", "-4"])
+@pytest.mark.parametrize("pages", ["0", "3-1", "a", "1-2-3", "", "1,,2", "-4", "1-" + "9" * 19,
+                                   pytest.param("9" * 5000, id="5000 digits")])
 def test_pdf_bad_page_range_syntax(workdir, pages):
     (workdir / "book.pdf").write_bytes(pdf_bytes(BOOK_PAGES))
     expect_error(["book.pdf"], f"bad page range {pages!r}: use e.g. 10-40, 3, 1-5,9 or 10- (pages count from 1)",
                  IngestOptions(pages=pages))
 
 
-@pytest.mark.parametrize("pages", ["5", "3-9", "1,7", "6-"])
-def test_pdf_page_range_past_the_end_names_the_page_count(workdir, pages):
+@pytest.mark.parametrize("pages", ["5", "1,7", "6-", "9999999999999-"])
+def test_pdf_page_range_starting_past_the_end_names_the_page_count(workdir, pages):
     (workdir / "book.pdf").write_bytes(pdf_bytes(BOOK_PAGES))
     expect_error(["book.pdf"], f"book.pdf has 4 pages: --pages {pages} is out of range", IngestOptions(pages=pages))
+
+
+@pytest.mark.parametrize("pages, expected_pages", [("3-9", [3, 4]), ("1-9999999999999", [1, 3, 4]),
+                                                   ("4-999999999999999999,1", [1, 4])])
+def test_pdf_page_range_running_past_the_end_is_read_to_the_last_page_with_a_note(workdir, pages, expected_pages):
+    (workdir / "book.pdf").write_bytes(pdf_bytes(BOOK_PAGES))
+    document = load_document(["book.pdf"], IngestOptions(pages=pages))
+    assert cites(document) == [f"book.pdf p. {page}" for page in expected_pages]
+    first, last = pages.split(",")[0].split("-")
+    assert document.notes[0] == f"book.pdf has 4 pages: --pages {first}-{last} read to page 4"
 
 
 def test_pdf_with_no_text_at_all_asks_for_ocr(workdir):

@@ -173,6 +173,7 @@ def test_prepared_weights_cache_gives_the_same_model(tmp_path, monkeypatch):
     entry.write_bytes(entry.read_bytes()[:1000])  # damaged: rebuilt, not trusted
     again = load_engine(None)
     assert torch.equal(again.model.tok_embeddings.weight, built.model.tok_embeddings.weight)
+    assert any("prepared weights: cache entry" in note and "unusable" in note for note in again.model.load_notes)
 
 
 @pytest.mark.parametrize("arch, model_type, qtype", [("llama", "llama", "Q4_0"), ("llama", "llama", "Q8_0"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import sys
 from dataclasses import dataclass
 from typing import BinaryIO, Sequence
@@ -44,8 +45,9 @@ class IngestError(Exception):
 class IngestOptions:
     pages: str | None = None  # PDF page ranges, 1-based inclusive: "10-40", "3", "1-5,9", "10-" (to the end)
     password: str | None = None  # PDF password, tried after the empty one
-    max_file_bytes: int = 1_000_000  # per file inside a folder; bigger files are skipped
-    max_total_bytes: int = 50_000_000  # a whole folder; no file is added beyond it
+    max_file_bytes: int = 1_000_000  # per file inside a folder (and its .gitignore files); bigger files are skipped
+    max_total_bytes: int = 50_000_000  # a whole folder, or what an EPUB unpacks to; no file is added beyond it
+    max_input_bytes: int = 200_000_000  # one file or stdin given as an input; a bigger one is refused
     include_hidden: bool = False  # dot files and folders inside a folder
     format: str = "auto"  # one of FORMATS: forces the reader (stdin has no extension to go by)
 
@@ -100,7 +102,11 @@ def load_document(paths: Sequence[str], options: IngestOptions = IngestOptions()
     document = Document(parts=[], skipped=[], notes=[], name=", ".join(paths))
     for path in paths:
         if path == "-":
-            data = (stdin if stdin is not None else sys.stdin.buffer).read()
+            try:
+                data = read_at_most(stdin if stdin is not None else sys.stdin.buffer, options.max_input_bytes)
+            except OverLimit:
+                raise IngestError(f"stdin holds over {size_text(options.max_input_bytes)}, the most one input may: "
+                                  f"split it into smaller files and give those") from None
             if not data.strip():
                 raise IngestError("stdin is empty: pipe a document in, or give a file path")
             name = "stdin"
@@ -119,7 +125,7 @@ def load_document(paths: Sequence[str], options: IngestOptions = IngestOptions()
             extension = os.path.splitext(name)[1].lower()
             if options.format == "auto" and extension in _UNSUPPORTED_HINT:
                 raise IngestError(f"{name}: {extension} files are not supported: {_UNSUPPORTED_HINT[extension]}")
-            data = _read_file(path, name)
+            data = _read_file(path, name, options.max_input_bytes)
             kind, parts = _read_input(data, name, name, extension, options, document.notes)
         if len(paths) > 1 and kind in ("pdf", "epub", "chat"):
             # Their markers do not name the file (text and code ones do): with several inputs, say which begins.
@@ -128,10 +134,85 @@ def load_document(paths: Sequence[str], options: IngestOptions = IngestOptions()
     return document
 
 
-def _read_file(path: str, name: str) -> bytes:
+class NotRegularFile(Exception):
+    """A path that is a device, a named pipe, a socket or a folder; args[0] says which ("a named pipe")."""
+
+
+class OverLimit(Exception):
+    """A file that holds more bytes than the limit; args[0] is its size as far as known (at least limit + 1)."""
+
+
+_SPECIAL_FILES = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+                  (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),
+                  (stat.S_ISLNK, "a symlink"))
+
+
+def _check_regular(mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        raise NotRegularFile(next((kind for test, kind in _SPECIAL_FILES if test(mode)), "an unknown kind of file"))
+
+
+def read_regular_file(path: str, limit: int, follow_symlinks: bool = True) -> bytes:
+    """The bytes of the regular file at `path`, at most `limit` of them.
+
+    Raises NotRegularFile for anything else (a device or a pipe never ends or blocks; follow_symlinks=False also
+    refuses a symlink), OverLimit past `limit` (by the file's size, and by what is read: a file can grow, and
+    /proc files show size 0), OSError when it cannot be read. The kind is checked before opening, since opening a
+    named pipe waits for a writer and opening a device can act on it, and again on what was opened, in case the path
+    was replaced in between.
+    """
+    _check_regular((os.stat if follow_symlinks else os.lstat)(path).st_mode)
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow_symlinks else os.O_NOFOLLOW)
+    with open(os.open(path, flags), "rb") as f:
+        info = os.fstat(f.fileno())
+        _check_regular(info.st_mode)
+        if info.st_size > limit:
+            raise OverLimit(info.st_size)
+        return read_at_most(f, limit, info.st_size)
+
+
+def read_at_most(stream: BinaryIO, limit: int, expected: int = 0) -> bytes:
+    """What `stream` holds, at most `limit` bytes: OverLimit at one byte past it (an endless stream is not read to
+    its end). Read in pieces of the `expected` size or 1 MB, so that a short input does not allocate the whole
+    limit."""
+    chunks, total = [], 0
+    while chunk := stream.read(min(max(expected - total, 1 << 20), limit + 1 - total)):
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > limit:
+            raise OverLimit(total)
+    return b"".join(chunks)
+
+
+def printable(text: str) -> str:
+    """A name read from inside an input (an archive member, a file in a folder), for a one-line message: as it is,
+    or with its control characters escaped."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+def error_text(error: Exception) -> str:
+    """A library's error for a one-line message: whitespace runs (newlines too) made one space, at most 200
+    characters; its type when it has no text."""
+    return " ".join(str(error).split())[:200] or type(error).__name__
+
+
+def size_text(n: int) -> str:
+    """A byte count for a message: "3.2 GB", "200 MB", "512 bytes"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} bytes"
+
+
+def _read_file(path: str, name: str, limit: int) -> bytes:
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_regular_file(path, limit)
+    except NotRegularFile as e:
+        raise IngestError(f"{name} is {e.args[0]}, not a regular file: give a file or a folder (or redirect it to "
+                          f"stdin and give '-')") from None
+    except OverLimit:
+        raise IngestError(f"{name} holds over {size_text(limit)}, the most one input may: split it into smaller "
+                          f"files") from None
     except FileNotFoundError:
         raise IngestError(f"no such file or directory: {name}") from None
     except PermissionError:
@@ -156,7 +237,7 @@ def _read_input(data: bytes, name: str, source: str, extension: str, options: In
     if kind == "epub":
         from .text import read_epub
 
-        return kind, read_epub(data, name, source)
+        return kind, read_epub(data, name, source, options.max_total_bytes)
 
     from .text import decode_text, looks_binary, text_parts
 

@@ -57,10 +57,10 @@ def format_time(value: object) -> str | None:
     if isinstance(value, str) and re.fullmatch(r"\s*\d+(\.\d+)?\s*", value):
         value = float(value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = value / 1000 if value > 1e11 else value  # past the year 5138 in seconds: milliseconds
         try:
+            seconds = value / 1000 if value > 1e11 else value  # past the year 5138 in seconds: milliseconds
             return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M")
-        except (OverflowError, OSError, ValueError):
+        except (OverflowError, OSError, ValueError):  # out of datetime's range, NaN, an int too big for a float
             return None
     if isinstance(value, str) and value.strip():
         iso = re.match(r"\s*(\d{4}-\d{2}-\d{2})(?:[T ](\d{2}:\d{2}))?", value)
@@ -70,16 +70,21 @@ def format_time(value: object) -> str | None:
     return None
 
 
+# What json.loads raises on text that is not JSON it can hold: bad syntax (JSONDecodeError, a ValueError), an
+# integer of thousands of digits (ValueError), nesting deeper than the interpreter's stack (RecursionError).
+_NOT_JSON = (ValueError, RecursionError)
+
+
 def _parse_json_chat(text: str) -> list[Message] | None:
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except _NOT_JSON:
         value = []
         for line in text.splitlines():
             if line.strip():
                 try:
                     value.append(json.loads(line))
-                except json.JSONDecodeError:
+                except _NOT_JSON:
                     return None
     if isinstance(value, dict):
         value = value.get("messages") if "messages" in value else [value]
@@ -108,15 +113,15 @@ def _json_message(item: dict) -> Message | None:
     return Message(author.strip(), time, content.strip())
 
 
-def _content_text(content: object) -> str | None:
+def _content_text(content: object, nested: bool = False) -> str | None:
     """A string, a list of strings and {"type": "text", "text": ...} parts (other parts, e.g. images, left out),
-    or {"parts": [...]}; None for anything else."""
+    or {"parts": [...]} (one level: a dict inside it is not text); None for anything else."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, dict):
-        return _content_text(content.get("parts", content.get("text")))
+        return None if nested else _content_text(content.get("parts", content.get("text")), nested=True)
     if isinstance(content, list):
         texts = []
         for piece in content:
@@ -128,18 +133,27 @@ def _content_text(content: object) -> str | None:
     return None
 
 
+def _fields(value: object) -> dict:
+    """`value` when it is a JSON object, else {}: an export of the wrong shape reads as one without those fields."""
+    return value if isinstance(value, dict) else {}
+
+
+def _string(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
 def _chatgpt_export(conversations: list[dict]) -> list[Message]:
     messages = []
     for number, conversation in enumerate(conversations, start=1):
-        mapping = conversation.get("mapping") or {}
-        heading = conversation.get("title") or f"Conversation {number}"
+        mapping = {node_id: _fields(node) for node_id, node in _fields(conversation.get("mapping")).items()}
+        heading = _string(conversation.get("title")) or f"Conversation {number}"
         first = len(messages)
-        for node in _current_branch(mapping, conversation.get("current_node")):
-            message = node.get("message") or {}
+        for node in _current_branch(mapping, _string(conversation.get("current_node"))):
+            message = _fields(node.get("message"))
             text = (_content_text(message.get("content")) or "").strip()
             if not text:  # hidden system prompts, tool calls without text, images
                 continue
-            role = (message.get("author") or {}).get("role")
+            role = _string(_fields(message.get("author")).get("role"))
             messages.append(Message(role, format_time(message.get("create_time")), text))
         if len(messages) > first:
             messages[first] = Message(messages[first].author, messages[first].time, messages[first].text, heading)
@@ -151,10 +165,11 @@ def _current_branch(mapping: dict, current: str | None) -> list[dict]:
     followed at each step. `seen` guards both walks: a malformed export could loop."""
     seen: set[str] = set()
     if current not in mapping:
-        current = next((node_id for node_id, node in mapping.items() if node.get("parent") not in mapping), None)
+        current = next((node_id for node_id, node in mapping.items() if _parent(node) not in mapping), None)
         while current is not None and current not in seen:
             seen.add(current)
-            children = [child for child in mapping[current].get("children") or [] if child in mapping]
+            children = mapping[current].get("children")
+            children = [child for child in children if _string(child) in mapping] if isinstance(children, list) else []
             if not children:
                 break
             current = children[-1]
@@ -163,8 +178,12 @@ def _current_branch(mapping: dict, current: str | None) -> list[dict]:
     while current in mapping and current not in seen:
         seen.add(current)
         branch.append(mapping[current])
-        current = mapping[current].get("parent")
+        current = _parent(mapping[current])
     return branch[::-1]
+
+
+def _parent(node: dict) -> str | None:
+    return _string(node.get("parent"))
 
 
 # One line starts each message; the name may not hold a colon, so "Maria: a: b" is Maria saying "a: b". A line

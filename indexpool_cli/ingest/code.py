@@ -7,11 +7,11 @@ out (ignored, hidden, vendored, binary, too big...) is reported in `skipped` wit
 from __future__ import annotations
 
 import os
-import stat
+import re
 
 import pathspec
 
-from . import IngestError, IngestOptions, Part
+from . import IngestError, IngestOptions, NotRegularFile, OverLimit, Part, printable, read_regular_file, size_text
 from .text import decode_text, line_chunks, line_span, looks_binary, split_lines
 
 SOURCE_EXTENSIONS = frozenset(
@@ -37,6 +37,14 @@ BINARY_EXTENSIONS = frozenset(
     ".dll .exe .o .a .lib .class .bin .dat .npy .npz .pt .pth .ckpt .safetensors .gguf .onnx .pkl .db .sqlite .woff "
     ".woff2 .ttf .otf .eot".split()
 )
+# Folders deeper than this are skipped: no source tree goes near it, and the walk recurses once per level.
+MAX_FOLDER_DEPTH = 64
+# Bounds on the ignore rules, so that hostile .gitignore files cannot stall the walk. pathspec compiles each rule
+# (about 0.25 ms) and checks each path against every rule above it; a rule's wildcards backtrack: "*a*b*c*d" against
+# a long name takes a time that grows as the name's length to the power of the wildcards in one path segment
+# (seconds with four, minutes with five).
+MAX_IGNORE_RULES = 10_000  # in all the walk's .gitignore files
+MAX_WILDCARDS_PER_SEGMENT = 2
 
 
 def is_code_file(path: str) -> bool:
@@ -62,7 +70,7 @@ def read_folder(root: str, prefix: str, options: IngestOptions, skipped: list[tu
     """The parts of every readable file under `root`; paths shown relative to it, after `prefix`."""
     walk = _FolderWalk(root, prefix, options, skipped, notes)
     try:
-        walk.visit(root, "", [])
+        walk.visit(root, "", [], 0)
     except _TotalLimitReached:
         pass
     if not walk.parts:
@@ -91,13 +99,16 @@ class _FolderWalk:
         self.notes = notes
         self.parts: list[Part] = []
         self.total_bytes = 0
+        self.ignore_rules = 0
 
     def skip(self, rel: str, reason: str) -> None:
         self.skipped.append((self.prefix + rel, reason))
 
-    def visit(self, folder: str, folder_rel: str, ignore_specs: list[tuple[str, pathspec.PathSpec]]) -> None:
-        """Read the files of `folder` (its path relative to the root: `folder_rel`, "" or ending in "/")."""
-        spec = _read_gitignore(os.path.join(folder, ".gitignore"))
+    def visit(self, folder: str, folder_rel: str, ignore_specs: list[tuple[str, pathspec.PathSpec]],
+              depth: int) -> None:
+        """Read the files of `folder` (its path relative to the root: `folder_rel`, "" or ending in "/"; `depth`
+        folders below the root)."""
+        spec = self._read_gitignore(folder, folder_rel)
         if spec is not None:
             ignore_specs = ignore_specs + [(folder_rel, spec)]
         try:
@@ -110,10 +121,12 @@ class _FolderWalk:
             is_folder = entry.is_dir(follow_symlinks=False)
             rel = folder_rel + entry.name + ("/" if is_folder else "")
             reason = self._skip_reason(entry, rel, is_folder, ignore_specs)
+            if not reason and is_folder and depth >= MAX_FOLDER_DEPTH:
+                reason = f"too deep (over {MAX_FOLDER_DEPTH} folders down)"
             if reason:
                 self.skip(rel, reason)
             elif is_folder:
-                self.visit(entry.path, rel, ignore_specs)
+                self.visit(entry.path, rel, ignore_specs, depth + 1)
             else:
                 self._read_file(entry, rel)
 
@@ -150,27 +163,60 @@ class _FolderWalk:
             return "symlink to outside the folder"
         return f"symlink to {os.path.relpath(target, self.root_real).replace(os.sep, '/')} (not followed)"
 
+    def _read_gitignore(self, folder: str, folder_rel: str) -> pathspec.PathSpec | None:
+        """The rules of the folder's .gitignore: only a regular file, as git reads it (not through a symlink), up
+        to the per-file limit, while the walk's rules stay within MAX_IGNORE_RULES. One that is there but not
+        applied, or rules left out of it, are noted, since what they would leave out is read."""
+        shown = f"{self.root_name}: {self.prefix}{printable(folder_rel)}.gitignore"
+        try:
+            data = read_regular_file(os.path.join(folder, ".gitignore"), self.options.max_file_bytes,
+                                     follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except NotRegularFile as e:
+            self.notes.append(f"{shown} is {e.args[0]}, not a regular file: its rules are not applied")
+            return None
+        except OverLimit:
+            self.notes.append(f"{shown} is over {size_text(self.options.max_file_bytes)}: its rules are not applied")
+            return None
+        except OSError as e:
+            self.notes.append(f"{shown} cannot be read ({e.strerror or e}): its rules are not applied")
+            return None
+        lines = [line for line in data.decode("utf-8", errors="replace").splitlines() if line.strip()]
+        if self.ignore_rules + len(lines) > MAX_IGNORE_RULES:
+            self.notes.append(f"{shown} would take the folder's ignore rules over {MAX_IGNORE_RULES:,}: its rules "
+                              f"are not applied")
+            return None
+        self.ignore_rules += len(lines)
+        spec, left_out = _ignore_spec(lines)
+        if left_out:
+            self.notes.append(f"{shown}: {left_out} rule(s) left out (not valid, or over {MAX_WILDCARDS_PER_SEGMENT} "
+                              f"wildcards in one path segment)")
+        return spec
+
     def _read_file(self, entry: os.DirEntry, rel: str) -> None:
         try:
             info = entry.stat(follow_symlinks=False)
         except OSError as e:
             self.skip(rel, f"unreadable ({e.strerror or e})")
             return
-        if not stat.S_ISREG(info.st_mode):  # a FIFO or device would block or never end
-            self.skip(rel, "not a regular file")
-            return
         if info.st_size > self.options.max_file_bytes:
-            self.skip(rel, f"too big ({_size(info.st_size)} > {_size(self.options.max_file_bytes)} per file)")
+            self.skip(rel, f"too big ({size_text(info.st_size)} > {size_text(self.options.max_file_bytes)} per file)")
             return
         if self.total_bytes + info.st_size > self.options.max_total_bytes:
-            limit = _size(self.options.max_total_bytes)
+            limit = size_text(self.options.max_total_bytes)
             self.skip(rel, f"total limit reached ({limit}): this and later files not read")
             self.notes.append(f"{self.root_name}: stopped at {self.prefix}{rel}: the folder is over {limit} "
                               f"(max_total_bytes)")
             raise _TotalLimitReached
         try:
-            with open(entry.path, "rb") as f:
-                data = f.read()
+            data = read_regular_file(entry.path, self.options.max_file_bytes, follow_symlinks=False)
+        except NotRegularFile as e:  # a device or a named pipe would never end, or block
+            self.skip(rel, f"not a regular file ({e.args[0]})")
+            return
+        except OverLimit as e:  # grown since it was listed
+            self.skip(rel, f"too big ({size_text(e.args[0])} > {size_text(self.options.max_file_bytes)} per file)")
+            return
         except OSError as e:
             self.skip(rel, f"unreadable ({e.strerror or e})")
             return
@@ -188,12 +234,40 @@ class _FolderWalk:
         self.parts += code_parts(text, self.prefix + rel, self.prefix + rel)
 
 
-def _read_gitignore(path: str) -> pathspec.PathSpec | None:
+def _ignore_spec(lines: list[str]) -> tuple[pathspec.PathSpec, int]:
+    """The rules of a .gitignore's lines, and how many lines were left out: those with over
+    MAX_WILDCARDS_PER_SEGMENT wildcards in a path segment, and those that are not valid patterns (a lone "!")."""
+    tamed = [rule for rule in map(_tamed, lines) if rule is not None]
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return pathspec.GitIgnoreSpec.from_lines(f.read().splitlines())
-    except OSError:
-        return None
+        spec = pathspec.GitIgnoreSpec.from_lines(tamed)
+    except (ValueError, re.error):  # pathspec's GitIgnorePatternError, or a bracket it compiles to a bad regex
+        # ("[a-[]"): the bad lines found one by one, and left out
+        tamed = [rule for rule in tamed if _valid(rule)]
+        spec = pathspec.GitIgnoreSpec.from_lines(tamed)
+    return spec, len(lines) - len(tamed)
+
+
+def _tamed(line: str) -> str | None:
+    """The line with each run of stars made one wildcard, as git reads it (a segment of stars alone is "**", any
+    other run "*"); None when a path segment still has over MAX_WILDCARDS_PER_SEGMENT wildcards."""
+    segments = []
+    for segment in line.split("/"):
+        if len(segment) > 1 and not segment.strip("*"):
+            segment = "**"
+        else:
+            segment = re.sub(r"(\\.)|\*+", lambda match: match[1] or "*", segment)  # escaped characters kept
+            if sum(match[0] == "*" for match in re.finditer(r"\\.|\*", segment)) > MAX_WILDCARDS_PER_SEGMENT:
+                return None
+        segments.append(segment)
+    return "/".join(segments)
+
+
+def _valid(rule: str) -> bool:
+    try:
+        pathspec.GitIgnoreSpec.from_lines([rule])
+    except (ValueError, re.error):
+        return False
+    return True
 
 
 def _ignored_by(rel: str, ignore_specs: list[tuple[str, pathspec.PathSpec]]) -> str | None:
@@ -208,10 +282,3 @@ def _ignored_by(rel: str, ignore_specs: list[tuple[str, pathspec.PathSpec]]) -> 
         if result.include is not None:
             decision = (result.include, base)
     return decision[1] if decision and decision[0] else None
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n} bytes"

@@ -11,7 +11,7 @@ from html.parser import HTMLParser
 from urllib.parse import unquote
 from xml.etree import ElementTree
 
-from . import IngestError, Part
+from . import IngestError, Part, error_text, printable, size_text
 
 _UTF32_BOMS = (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)  # checked before UTF-16: FF FE 00 00 starts with FF FE
 _UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
@@ -178,6 +178,15 @@ class _HTMLText(HTMLParser):
         elif tag in self._LINES:
             self._newline(blank_line=False)
 
+    def parse_marked_section(self, i: int, report: int = 1) -> int:
+        """A "<![" section of a keyword Python's parser does not know ("<![x", "<![\\x01") makes it raise
+        AssertionError: passed over to its ">" instead, as a browser reads it (a bogus comment)."""
+        try:
+            return super().parse_marked_section(i, report)
+        except AssertionError:
+            end = self.rawdata.find(">", i + 3)
+            return -1 if end < 0 else end + 1
+
     def handle_data(self, data: str) -> None:
         if self._title_tag:
             self._title_text.append(data)
@@ -205,15 +214,23 @@ def html_to_text(html: str) -> tuple[str, str]:
 _CONTAINER_NS = "{urn:oasis:names:tc:opendocument:xmlns:container}"
 _OPF_NS = "{http://www.idpf.org/2007/opf}"
 _XMLENC_NS = "{http://www.w3.org/2001/04/xmlenc#}"
+# An EPUB with more archive entries than this is refused before its directory is parsed (each entry costs memory):
+# books hold hundreds of files, a few thousand at most.
+MAX_EPUB_ENTRIES = 20_000
+_UNPACKABLE = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA)
 
 
-def read_epub(data: bytes, name: str, source: str) -> list[Part]:
+def read_epub(data: bytes, name: str, source: str, max_bytes: int) -> list[Part]:
     """One part per spine document with text, in spine order, led by `[Chapter 3: Title]`; cite "book.epub ch. 3".
 
-    Chapters are numbered over the spine documents that have text, so a cover image page takes no number.
+    Chapters are numbered over the spine documents that have text, so a cover image page takes no number. What is
+    unpacked (container, package, chapters) may total `max_bytes`: the sizes the archive declares are checked before
+    a member is read, and what is read is counted too, since the declared sizes can lie.
     """
+    if data.count(b"PK\x01\x02") > MAX_EPUB_ENTRIES:  # an upper bound on the entries of the central directory
+        raise IngestError(f"{name} is not a valid EPUB (over {MAX_EPUB_ENTRIES:,} files in its archive)")
+    archive = _Unpacker(data, name, max_bytes)
     try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
         container = ElementTree.fromstring(archive.read("META-INF/container.xml"))
         rootfile = container.find(f".//{_CONTAINER_NS}rootfile")
         if rootfile is None or not rootfile.get("full-path"):
@@ -233,17 +250,13 @@ def read_epub(data: bytes, name: str, source: str) -> list[Part]:
                 raise IngestError(f"{name} is DRM-protected: only EPUBs without DRM can be read")
             html = decode_text(archive.read(member))
             if html is None:
-                raise IngestError(f"{name} is not a valid EPUB ({member} is not text)")
+                raise IngestError(f"{name} is not a valid EPUB ({printable(member)} is not text)")
             text, title = html_to_text(html)
             if not text:
                 continue
             chapter = len(parts) + 1
             marker = f"[Chapter {chapter}: {title}]" if title else f"[Chapter {chapter}]"
             parts.append(Part(f"{marker}\n{text}\n", source, f"{name} ch. {chapter}", chapter=chapter))
-    except zipfile.BadZipFile:
-        raise IngestError(f"{name} is not a valid EPUB (not a zip archive)") from None
-    except KeyError as e:  # zipfile's missing member
-        raise IngestError(f"{name} is not a valid EPUB ({e.args[0]})") from None
     except ElementTree.ParseError as e:
         raise IngestError(f"{name} is not a valid EPUB (bad XML: {e})") from None
     if not parts:
@@ -251,10 +264,63 @@ def read_epub(data: bytes, name: str, source: str) -> list[Part]:
     return parts
 
 
-def _encrypted_members(archive: zipfile.ZipFile) -> set[str]:
+class _Unpacker:
+    """An EPUB's members, read within a budget of unpacked bytes shared by all of them. zipfile raises many kinds of
+    error on a damaged archive (bad headers or CRCs, truncated or corrupt compressed streams): each is an IngestError
+    here."""
+
+    def __init__(self, data: bytes, name: str, max_bytes: int):
+        self.name, self.max_bytes, self.left = name, max_bytes, max_bytes
+        try:
+            self.archive = zipfile.ZipFile(io.BytesIO(data))
+        except zipfile.BadZipFile:
+            raise IngestError(f"{name} is not a valid EPUB (not a zip archive)") from None
+        except Exception as e:
+            raise self._damaged(e) from None
+
+    def has(self, member: str) -> bool:
+        try:
+            self.archive.getinfo(member)
+        except KeyError:
+            return False
+        return True
+
+    def read(self, member: str) -> bytes:
+        try:
+            info = self.archive.getinfo(member)
+        except KeyError:
+            raise IngestError(f"{self.name} is not a valid EPUB (no {printable(member)} in the archive)") from None
+        if info.flag_bits & 0x1:
+            raise IngestError(f"{self.name} is password-protected ({printable(member)} is encrypted): only EPUBs "
+                              f"without encryption can be read")
+        if info.compress_type not in _UNPACKABLE:
+            method = zipfile.compressor_names.get(info.compress_type, f"method {info.compress_type}")
+            raise IngestError(f"{self.name} uses {method} compression ({printable(member)}), which cannot be "
+                              f"unpacked here: re-save it with ordinary zip compression, e.g. with Calibre")
+        if info.file_size > self.left:
+            raise self._too_big()
+        try:
+            with self.archive.open(info) as f:
+                data = f.read(self.left + 1)
+        except Exception as e:
+            raise self._damaged(e) from None
+        if len(data) > self.left:
+            raise self._too_big()
+        self.left -= len(data)
+        return data
+
+    def _damaged(self, error: Exception) -> IngestError:
+        return IngestError(f"{self.name} is not a valid EPUB (damaged archive: {error_text(error)}): repair or "
+                           f"re-export it")
+
+    def _too_big(self) -> IngestError:
+        return IngestError(f"{self.name} unpacks to over {size_text(self.max_bytes)} of text, more than a book holds "
+                           f"(a zip bomb?): not read")
+
+
+def _encrypted_members(archive: _Unpacker) -> set[str]:
     """Members listed in META-INF/encryption.xml: DRM, or font obfuscation (which touches fonts only)."""
-    try:
-        encryption = ElementTree.fromstring(archive.read("META-INF/encryption.xml"))
-    except KeyError:
+    if not archive.has("META-INF/encryption.xml"):
         return set()
+    encryption = ElementTree.fromstring(archive.read("META-INF/encryption.xml"))
     return {unquote(ref.get("URI", "")) for ref in encryption.iter(f"{_XMLENC_NS}CipherReference")}
