@@ -19,11 +19,9 @@ Errors are the engine's and the jobs' own exceptions (`InputError`, `SettingsErr
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -31,7 +29,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from indexpool.model.errors import InputError, SettingsError
-from indexpool.model.tensor_cache import (bytes_checksum, is_cache_directory, make_cache_directory,
+from indexpool.model.tensor_cache import (bytes_checksum, delete_files, is_cache_directory, make_cache_directory,
                                           remove_orphaned_temporaries, write_atomically)
 from .ingest import Document, Part
 from .retrieval import LexicalIndex, combined
@@ -293,13 +291,9 @@ class ResultCache:
 
     def clear(self) -> int:
         """Delete the kept results (and orphaned temporary files); returns the bytes freed."""
-        freed = remove_orphaned_temporaries(self.directory)
-        for path in self.directory.glob("*.json") if is_cache_directory(self.directory) else []:
-            if re.fullmatch(r"[0-9a-f]{32}\.json", path.name):
-                with contextlib.suppress(OSError):
-                    freed += path.stat().st_size
-                    path.unlink()
-        return freed
+        kept = [path for path in self.directory.glob("*.json") if re.fullmatch(r"[0-9a-f]{32}\.json", path.name)] \
+            if is_cache_directory(self.directory) else []
+        return remove_orphaned_temporaries(self.directory) + delete_files(kept)
 
 
 class InOrder:

@@ -145,11 +145,11 @@ def open_session(loaded, options: SessionOptions, needed_tokens: int | None, aut
     from .generate import Session
 
     options.check()
-    if loaded.config.arch == "glm5_next":
-        return native_sparse_session(loaded, options, needed_tokens)
     if needed_tokens is not None and needed_tokens > MAX_SESSION_TOKENS:
         raise InputError(f"the input needs {needed_tokens:,} tokens (prompt + new tokens), more than the "
                          f"{MAX_SESSION_TOKENS:,} a session holds; lower --max-new-tokens or read less")
+    if loaded.config.arch == "glm5_next":
+        return native_sparse_session(loaded, options, needed_tokens)
     context = loaded.config.context_length
     settings = options.indexpool
     try:  # the knobs are checked even when this input ends up dense

@@ -97,10 +97,10 @@ def orphaned_temporaries(directory: Path) -> list[Path]:
     return found
 
 
-def remove_orphaned_temporaries(directory: Path) -> int:
-    """Delete `orphaned_temporaries`; returns the bytes freed."""
+def delete_files(paths) -> int:
+    """Delete `paths` (one already gone or not deletable is passed over); returns the bytes freed."""
     freed = 0
-    for path in orphaned_temporaries(directory):
+    for path in paths:
         try:
             size = path.stat().st_size
             path.unlink()
@@ -108,6 +108,11 @@ def remove_orphaned_temporaries(directory: Path) -> int:
         except OSError:
             pass
     return freed
+
+
+def remove_orphaned_temporaries(directory: Path) -> int:
+    """Delete `orphaned_temporaries`; returns the bytes freed."""
+    return delete_files(orphaned_temporaries(directory))
 
 
 def make_cache_directory(directory: Path) -> None:
@@ -253,11 +258,4 @@ class TensorCache:
         if not is_cache_directory(self.directory):
             raise SettingsError(f"{self.directory} is not a cache directory indexpool made (no {TAG_NAME} in it); "
                                 "nothing deleted")
-        freed = remove_orphaned_temporaries(self.directory)
-        for path in self._files():
-            try:
-                freed += path.stat().st_size
-                path.unlink()
-            except OSError:
-                pass
-        return freed
+        return remove_orphaned_temporaries(self.directory) + delete_files(self._files())
