@@ -410,22 +410,26 @@ def _scratch_rows(rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def matmul_dequantized(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: int,
-                       chunk_bytes: int = 64 << 20) -> torch.Tensor:
+                       chunk_bytes: int = 8 << 20, out: torch.Tensor | None = None) -> torch.Tensor:
     """x (R, K) @ W.T for many rows: W dequantized a slice of rows at a time (at most `chunk_bytes` of fp32; in x's
-    dtype where that is bf16), multiplied in x's dtype -> (R, N) in x's dtype. A float type in x's dtype is
+    dtype where that is bf16), multiplied in x's dtype -> (R, N) in x's dtype, written into `out` (R, N) where
+    given (a column slice of a wider output: no (R, N) temporary beside it). A float type in x's dtype is
     multiplied as it lies."""
-    if FLOAT_TYPES.get(qtype) == x.dtype:
-        return F.linear(x, float_view(blocks, qtype))
     n = blocks.shape[0]
+    if out is None:
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    if FLOAT_TYPES.get(qtype) == x.dtype:
+        out.copy_(F.linear(x, float_view(blocks, qtype)))
+        return out
+    # 8 MiB slices: a 512-token prompt's GEMM is as fast as with whole matrices, and the buffer stays small
     step = max(64, chunk_bytes // (4 * in_features))
     native = kernel_runs()
     into = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-    parts = []
     for first in range(0, n, step):
         part = blocks[first : first + step]
         if native:
             w = dequantize(part, qtype, in_features, _scratch_rows(part.shape[0], in_features, into))
         else:
             w = dequantize_reference(part, qtype)
-        parts.append(x @ w.to(x.dtype).T)
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        out[:, first : first + part.shape[0]] = x @ w.to(x.dtype).T
+    return out

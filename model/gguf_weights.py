@@ -77,14 +77,17 @@ class BlockLinear(nn.Module):
         if flat.shape[0] <= BLOCK_ROWS and gguf_blocks.kernel_runs():
             y = self._decode(flat)
         else:
-            outputs = []
-            for run, matrices, _ in self.groups:
-                if matrices is None:
-                    outputs.append(F.linear(flat, run[0].dense.to(flat.dtype)))
+            # each part's product written into its columns of one output (a list of products joined by torch.cat
+            # would hold a prompt's activations twice)
+            y = torch.empty(flat.shape[0], self.out_features, dtype=flat.dtype)
+            first = 0
+            for part in self.parts:
+                columns = y[:, first : first + part.rows]
+                if part.dense is not None:
+                    columns.copy_(F.linear(flat, part.dense.to(flat.dtype)))
                 else:
-                    outputs += [gguf_blocks.matmul_dequantized(flat, part.blocks, part.qtype, self.in_features)
-                                for part in run]
-            y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+                    gguf_blocks.matmul_dequantized(flat, part.blocks, part.qtype, self.in_features, out=columns)
+                first += part.rows
             if self.order is not None:
                 y = y.index_select(-1, self.order)
         if self.bias is not None:

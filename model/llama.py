@@ -236,7 +236,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x):
         gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        # in place, in the gate's columns: a prompt's segment holds no second and third (T, ffn_dim) buffer
+        return self.w2(F.silu(gate, inplace=True).mul_(up))
 
 
 class Block(nn.Module):
@@ -271,7 +272,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self._rope_length = 0
+        self._rope_length = 0  # RoPE tables grow to the longest cache asked for, not the config's context (128K: 64+ MiB)
         self.cache_dtype: torch.dtype | None = None  # the dense K/V cache's dtype, when not the model's (`new_cache`)
         self._decode_layers: cpu_decode.DecodeLayers | None | bool = False  # False: not looked at yet
 

@@ -86,7 +86,6 @@ def build_transformer(config: LlamaConfig, get: Callable[[str], torch.Tensor] | 
     if config.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     if get is None:
-        model._ensure_rope(config.context_length)
         return model.eval().requires_grad_(False)
 
     def put(param: torch.Tensor, value: torch.Tensor, what: str) -> None:
@@ -112,7 +111,6 @@ def build_transformer(config: LlamaConfig, get: Callable[[str], torch.Tensor] | 
             put(block.ffn_norm, get(f"{i}.ffn_norm"), f"{i}.ffn_norm")
             put(ffn.w13.weight, torch.cat([get(f"{i}.gate"), get(f"{i}.up")]), f"{i}.gate_up")
             put(ffn.w2.weight, get(f"{i}.down"), f"{i}.down")
-    model._ensure_rope(config.context_length)
     return model.eval().requires_grad_(False)
 
 
@@ -349,7 +347,6 @@ def build_on_blocks(config: LlamaConfig, g: GGUFFile, dtype, device, permuted: b
             if config.qk_norm:
                 block.attention.q_norm.copy_(g.tensor(f"blk.{i}.attn_q_norm.weight"))
                 block.attention.k_norm.copy_(g.tensor(f"blk.{i}.attn_k_norm.weight"))
-    model._ensure_rope(config.context_length)
     return model.eval().requires_grad_(False)
 
 

@@ -85,7 +85,7 @@ class DecodeQuantLinear(nn.Module):
             return cpu_linear.linear_int4(x, self.qweight, self.bias)
         if rows > self.max_rows:
             return nn.functional.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, -1)
+        flat = x.reshape(rows, -1).contiguous()  # PyTorch's packed kernels take contiguous rows only
         if self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
         else:
