@@ -43,7 +43,7 @@ demo: setup
 	$(BIN)/indexpool ask "$(JSON_PACKAGE)/decoder.py" "what attributes does JSONDecodeError have?"
 
 test: setup-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: setup-test
 	$(BIN)/indexpool bench

@@ -7,6 +7,7 @@ decode tokens/s, and the ratios the IndexPool issue asks for.
 
     .venv/bin/python -m benchmarks.indexpool_scale --lengths 4096,32768,131072 --dense 4096,32768
     .venv/bin/python -m benchmarks.indexpool_scale --lengths 1048576 --dense none      # about an hour here
+    .venv/bin/python -m benchmarks.indexpool_scale --model /tmp/shapes/llama-3.1-8b-Q4_0.gguf --lengths 32768 --dense none
 
 Reads of 128K tokens or more print their progress (tokens, rate, peak RSS) on stderr.
 """
@@ -22,7 +23,7 @@ import time
 from benchmarks.common import add_schedule_option, long_read_progress, machine_description, natural_ids, peak_rss_bytes
 
 
-def worker(length: int, mode: str, decode: int, threads: int | None, options: dict) -> dict:
+def worker(model: str | None, length: int, mode: str, decode: int, threads: int | None, options: dict) -> dict:
     import torch
 
     from indexpool.model.generate import Session
@@ -31,7 +32,7 @@ def worker(length: int, mode: str, decode: int, threads: int | None, options: di
     from indexpool.model.runtime import load_engine, set_threads
 
     set_threads(threads)
-    loaded = load_engine(None)
+    loaded = load_engine(model)
     ids = natural_ids(loaded.tokenizer, length)
     settings = mode == "indexpool"
     choice = SessionOptions(indexer=options.pop("indexer"), prune_index=options.pop("prune_index"))
@@ -70,6 +71,7 @@ def worker(length: int, mode: str, decode: int, threads: int | None, options: di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory (default: the default model)")
     parser.add_argument("--lengths", default="4096,32768,131072", help="IndexPool context lengths")
     parser.add_argument("--dense", default="4096,32768", help="dense context lengths, or 'none'")
     parser.add_argument("--decode", type=int, default=16)
@@ -94,7 +96,7 @@ def main() -> None:
         options["topk"] = args.topk
     if args.worker:
         length, mode = args.worker.split(":")
-        print(json.dumps(worker(int(length), mode, args.decode, args.threads, options)))
+        print(json.dumps(worker(args.model, int(length), mode, args.decode, args.threads, options)))
         return
     print(machine_description(args.threads))
     runs = [(int(n), "indexpool") for n in args.lengths.split(",")]
@@ -108,6 +110,7 @@ def main() -> None:
                    "--decode", str(args.decode), "--kv-storage", args.kv_storage, "--index-dtype", args.index_dtype,
                    "--indexer", args.indexer]
         command += ["--threads", str(args.threads)] if args.threads else []
+        command += ["--model", args.model] if args.model else []
         command += ["--offload-dir", args.offload_dir] if args.offload_dir else []
         command += ["--segment-block", str(args.segment_block)] if args.segment_block else []
         command += ["--topk", str(args.topk)] if args.topk else []

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -409,27 +410,37 @@ def _scratch_rows(rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
     return buffer[: rows * columns].view(rows, columns)
 
 
-def matmul_dequantized(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: int,
-                       chunk_bytes: int = 8 << 20, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x (R, K) @ W.T for many rows: W dequantized a slice of rows at a time (at most `chunk_bytes` of fp32; in x's
-    dtype where that is bf16), multiplied in x's dtype -> (R, N) in x's dtype, written into `out` (R, N) where
-    given (a column slice of a wider output: no (R, N) temporary beside it). A float type in x's dtype is
-    multiplied as it lies."""
-    n = blocks.shape[0]
-    if out is None:
-        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+def dequantized_products(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: int,
+                         chunk_bytes: int = 8 << 20) -> Iterator[tuple[int, torch.Tensor]]:
+    """x (R, K) @ W.T for many rows, a slice of W's rows at a time: (first output, the (R, slice) product in x's
+    dtype) for each slice, W's slice dequantized (at most `chunk_bytes` of fp32; in x's dtype where that is bf16)
+    into a buffer kept between calls. A float type in x's dtype is multiplied as it lies, in one slice."""
     if FLOAT_TYPES.get(qtype) == x.dtype:
-        out.copy_(F.linear(x, float_view(blocks, qtype)))
-        return out
+        yield 0, F.linear(x, float_view(blocks, qtype))
+        return
     # 8 MiB slices: a 512-token prompt's GEMM is as fast as with whole matrices, and the buffer stays small
     step = max(64, chunk_bytes // (4 * in_features))
     native = kernel_runs()
     into = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-    for first in range(0, n, step):
+    for first in range(0, blocks.shape[0], step):
         part = blocks[first : first + step]
         if native:
             w = dequantize(part, qtype, in_features, _scratch_rows(part.shape[0], in_features, into))
         else:
             w = dequantize_reference(part, qtype)
-        out[:, first : first + part.shape[0]] = x @ w.to(x.dtype).T
+        yield first, x @ w.to(x.dtype).T
+
+
+def matmul_dequantized(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: int,
+                       chunk_bytes: int = 8 << 20, out: torch.Tensor | None = None,
+                       columns: torch.Tensor | None = None) -> torch.Tensor:
+    """x (R, K) @ W.T for many rows (`dequantized_products`) -> (R, N) in x's dtype, written into `out` where given:
+    (R, N) (a column slice of a wider output: no (R, N) temporary beside it), or with `columns` (N,) the wider
+    output whose column columns[j] takes output j."""
+    out = torch.empty(x.shape[0], blocks.shape[0], dtype=x.dtype) if out is None else out
+    for first, product in dequantized_products(x, blocks, qtype, in_features, chunk_bytes):
+        if columns is None:
+            out[:, first : first + product.shape[1]] = product
+        else:
+            out.index_copy_(1, columns[first : first + product.shape[1]], product.to(out.dtype))
     return out

@@ -17,5 +17,9 @@ def rope_at(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tens
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (B, T, heads, D); cos/sin: (T, 1, D)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    # x * cos + rotate_half(x) * sin, the rotated half added in place: the same roundings, and a prompt segment's
+    # q/k take one output plus half of it as temporaries instead of four outputs
+    out = x * cos
+    out[..., :half] -= x[..., half:] * sin[..., :half]
+    out[..., half:] += x[..., :half] * sin[..., half:]
+    return out

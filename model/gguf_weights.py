@@ -70,29 +70,51 @@ class BlockLinear(nn.Module):
             self.groups.append((run, matrices, columns))
             first += rows
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.register_buffer("order", order, persistent=False)
+        self.where = None if order is None else where  # the output column of each of the parts' rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] <= BLOCK_ROWS and gguf_blocks.kernel_runs():
             y = self._decode(flat)
         else:
-            # each part's product written into its columns of one output (a list of products joined by torch.cat
-            # would hold a prompt's activations twice)
+            # each part's product written into its columns of one output, reordered as it is written (products
+            # joined by torch.cat, then reordered, would hold a prompt's activations three times)
             y = torch.empty(flat.shape[0], self.out_features, dtype=flat.dtype)
             first = 0
             for part in self.parts:
-                columns = y[:, first : first + part.rows]
                 if part.dense is not None:
-                    columns.copy_(F.linear(flat, part.dense.to(flat.dtype)))
+                    product = F.linear(flat, part.dense.to(flat.dtype))
+                    if self.where is None:
+                        y[:, first : first + part.rows] = product
+                    else:
+                        y.index_copy_(1, self.where[first : first + part.rows], product)
+                elif self.where is None:
+                    gguf_blocks.matmul_dequantized(flat, part.blocks, part.qtype, self.in_features,
+                                                   out=y[:, first : first + part.rows])
                 else:
-                    gguf_blocks.matmul_dequantized(flat, part.blocks, part.qtype, self.in_features, out=columns)
+                    gguf_blocks.matmul_dequantized(flat, part.blocks, part.qtype, self.in_features, out=y,
+                                                   columns=self.where[first : first + part.rows])
                 first += part.rows
-            if self.order is not None:
-                y = y.index_select(-1, self.order)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def silu_gated(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(x @ gate.T) * (x @ up.T) for a layer of two parts [gate, up] and many rows (a prompt's segment),
+        the up part's product multiplied in a slice at a time: (..., rows) with no (R, 2 * rows) output. None where
+        that does not apply (few rows, other parts, bias or reordering): the caller goes the general way."""
+        flat = x.reshape(-1, self.in_features)
+        if (flat.shape[0] <= BLOCK_ROWS and gguf_blocks.kernel_runs()) or len(self.parts) != 2 \
+                or self.bias is not None or self.where is not None or any(p.dense is not None for p in self.parts):
+            return None
+        gate, up = self.parts
+        if gate.rows != up.rows:
+            return None
+        h = gguf_blocks.matmul_dequantized(flat, gate.blocks, gate.qtype, self.in_features)
+        F.silu(h, inplace=True)
+        for first, product in gguf_blocks.dequantized_products(flat, up.blocks, up.qtype, self.in_features):
+            h[:, first : first + product.shape[1]] *= product
+        return h.reshape(*x.shape[:-1], gate.rows)
 
     def _decode(self, flat: torch.Tensor) -> torch.Tensor:
         """A few rows on the file's rows: each run's kernel quantizes the rows and writes its outputs, in the

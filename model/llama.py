@@ -17,6 +17,7 @@ from indexpool.kernels import cpu_decode
 from indexpool.kernels.cpu_attention import decode_attention, native_attention_takes, native_prefill
 from indexpool.kernels.rope import apply_rope
 
+from .gguf_weights import BlockLinear
 from .quant import DecodeQuantLinear
 
 
@@ -235,9 +236,13 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
     def forward(self, x):
-        gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
-        # in place, in the gate's columns: a prompt's segment holds no second and third (T, ffn_dim) buffer
-        return self.w2(F.silu(gate, inplace=True).mul_(up))
+        # a prompt's segment on the file's blocks: no (T, 2 * ffn_dim) product at all; else in place, in the
+        # gate's columns: no second and third (T, ffn_dim) buffer
+        h = self.w13.silu_gated(x) if isinstance(self.w13, BlockLinear) else None
+        if h is None:
+            gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
+            h = F.silu(gate, inplace=True).mul_(up)
+        return self.w2(h)
 
 
 class Block(nn.Module):
