@@ -240,8 +240,8 @@ class FeedForward(nn.Module):
         # gate's columns: no second and third (T, ffn_dim) buffer
         h = self.w13.silu_gated(x) if isinstance(self.w13, BlockLinear) else None
         if h is None:
-            gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
-            h = F.silu(gate, inplace=True).mul_(up)
+            y = self.w13(x)  # sliced, not split: autograd lets a slice be changed in place
+            h = F.silu(y[..., : self.ffn_dim], inplace=True).mul_(y[..., self.ffn_dim :])
         return self.w2(h)
 
 
