@@ -439,8 +439,14 @@ def matmul_dequantized(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_fea
     output whose column columns[j] takes output j."""
     out = torch.empty(x.shape[0], blocks.shape[0], dtype=x.dtype) if out is None else out
     for first, product in dequantized_products(x, blocks, qtype, in_features, chunk_bytes):
-        if columns is None:
-            out[:, first : first + product.shape[1]] = product
-        else:
-            out.index_copy_(1, columns[first : first + product.shape[1]], product.to(out.dtype))
+        write_columns(out, first, product, columns)
     return out
+
+
+def write_columns(out: torch.Tensor, first: int, product: torch.Tensor, columns: torch.Tensor | None) -> None:
+    """Outputs first .. first + width of a product (R, width) into out: its columns first.., or with `columns` the
+    columns columns[first..] lists."""
+    if columns is None:
+        out[:, first : first + product.shape[1]] = product
+    else:
+        out.index_copy_(1, columns[first : first + product.shape[1]], product.to(out.dtype))

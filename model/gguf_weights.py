@@ -71,10 +71,13 @@ class BlockLinear(nn.Module):
             first += rows
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.where = None if order is None else where  # the output column of each of the parts' rows
+        # [gate, up] of equal rows, on blocks, as they lie: a prompt's segment can take `silu_gated`
+        self.gated_pair = len(parts) == 2 and parts[0].rows == parts[1].rows and bias is None and order is None \
+            and all(part.dense is None for part in parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= BLOCK_ROWS and gguf_blocks.kernel_runs():
+        if self._few_rows(flat):
             y = self._decode(flat)
         else:
             # each part's product written into its columns of one output, reordered as it is written (products
@@ -82,18 +85,14 @@ class BlockLinear(nn.Module):
             y = torch.empty(flat.shape[0], self.out_features, dtype=flat.dtype)
             first = 0
             for part in self.parts:
+                # the part's own columns, or all of y and the columns its rows go to
+                out, columns = (y[:, first : first + part.rows], None) if self.where is None else \
+                    (y, self.where[first : first + part.rows])
                 if part.dense is not None:
-                    product = F.linear(flat, part.dense.to(flat.dtype))
-                    if self.where is None:
-                        y[:, first : first + part.rows] = product
-                    else:
-                        y.index_copy_(1, self.where[first : first + part.rows], product)
-                elif self.where is None:
-                    gguf_blocks.matmul_dequantized(flat, part.blocks, part.qtype, self.in_features,
-                                                   out=y[:, first : first + part.rows])
+                    gguf_blocks.write_columns(out, 0, F.linear(flat, part.dense.to(flat.dtype)), columns)
                 else:
-                    gguf_blocks.matmul_dequantized(flat, part.blocks, part.qtype, self.in_features, out=y,
-                                                   columns=self.where[first : first + part.rows])
+                    gguf_blocks.matmul_dequantized(flat, part.blocks, part.qtype, self.in_features, out=out,
+                                                   columns=columns)
                 first += part.rows
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -104,17 +103,19 @@ class BlockLinear(nn.Module):
         the up part's product multiplied in a slice at a time: (..., rows) with no (R, 2 * rows) output. None where
         that does not apply (few rows, other parts, bias or reordering): the caller goes the general way."""
         flat = x.reshape(-1, self.in_features)
-        if (flat.shape[0] <= BLOCK_ROWS and gguf_blocks.kernel_runs()) or len(self.parts) != 2 \
-                or self.bias is not None or self.where is not None or any(p.dense is not None for p in self.parts):
+        if not self.gated_pair or self._few_rows(flat):
             return None
         gate, up = self.parts
-        if gate.rows != up.rows:
-            return None
         h = gguf_blocks.matmul_dequantized(flat, gate.blocks, gate.qtype, self.in_features)
         F.silu(h, inplace=True)
         for first, product in gguf_blocks.dequantized_products(flat, up.blocks, up.qtype, self.in_features):
             h[:, first : first + product.shape[1]] *= product
         return h.reshape(*x.shape[:-1], gate.rows)
+
+    @staticmethod
+    def _few_rows(flat: torch.Tensor) -> bool:
+        """Rows few enough for the int8-activation kernels (a decode step, a few branches)."""
+        return flat.shape[0] <= BLOCK_ROWS and gguf_blocks.kernel_runs()
 
     def _decode(self, flat: torch.Tensor) -> torch.Tensor:
         """A few rows on the file's rows: each run's kernel quantizes the rows and writes its outputs, in the
