@@ -47,6 +47,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 
 import torch
 
@@ -54,6 +55,7 @@ from benchmarks.common import chat_frame, greedy_answer, machine_description, na
 from indexpool.model.generate import Session
 from indexpool.model.indexpool_cache import IndexPoolConfig
 from indexpool.model.runtime import load_engine, set_threads
+from indexpool.model.tensor_cache import write_atomically
 from indexpool.model.sessions import SessionOptions, default_indexer, describe_indexers, segment_indexer
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
@@ -104,8 +106,8 @@ class Haystack:
 
     MAX_PIECE_CHARS = 160  # about 40 tokens
 
-    def __init__(self):
-        self.text = natural_haystack()
+    def __init__(self, text: str | None = None):
+        self.text = natural_haystack() if text is None else text
         pieces = []
         for piece in re.split(r"(?<=[.!?]\s)|(?<=\n\n)", self.text):
             pieces += [piece] if len(piece) <= self.MAX_PIECE_CHARS else re.split(r"(?<=\n)", piece)
@@ -352,13 +354,21 @@ def run(args) -> None:
     tokenizer = loaded.tokenizer
     options = SessionOptions()
     indexer, for_segments = default_indexer(options, loaded), segment_indexer(options, loaded)
-    generator = Generator(tokenizer)
+    haystack = Haystack(Path(args.haystack).read_text() if args.haystack else None)
+    generator = Generator(tokenizer, haystack)
     context = loaded.config.context_length
     print(f"model {loaded.name} ({context} context), indexer {describe_indexers(indexer, for_segments)}, "
           f"threads {torch.get_num_threads()}, seed {args.seed}", flush=True)
     print(f"{'task':<16} {'length':>7} {'reader':>9} {'score':>6} {'samples':>7} {'s/sample':>8} {'read/sample':>11}",
           flush=True)
     rows, averages = [], []
+
+    def save() -> None:
+        report = {"machine": machine, "model": loaded.name, "context": context,
+                  "indexer": describe_indexers(indexer, for_segments), "seed": args.seed,
+                  "max_new_tokens": MAX_NEW_TOKENS, "rows": rows, "averages": averages}
+        write_atomically(Path(args.json), json.dumps(report, indent=1).encode())
+
     for length in args.lengths:
         t0 = time.perf_counter()
         samples = {task: generator.samples(task, length, args.samples, args.seed) for task in args.tasks}
@@ -395,6 +405,8 @@ def run(args) -> None:
                 rows.append(row)
                 print(f"{task:<16} {length:>7} {reader:>9} {score:>6.1f} {len(details):>7} "
                       f"{row['seconds_per_sample']:>8.1f} {row['read_per_sample']:>11.0f}", flush=True)
+                if args.json:  # after every row: a run stopped part way keeps what it measured
+                    save()
             averages.append({"length": length, "reader": reader, "score": statistics.mean(scores),
                              "tasks": len(scores)})
             del session
@@ -403,10 +415,7 @@ def run(args) -> None:
     for a in averages:
         print(f"{a['length']:>7} {a['reader']:>9} {a['score']:>6.1f} {a['tasks']:>5}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine, "model": loaded.name, "context": context,
-                       "indexer": describe_indexers(indexer, for_segments), "seed": args.seed,
-                       "max_new_tokens": MAX_NEW_TOKENS, "rows": rows, "averages": averages}, f, indent=1)
+        save()
 
 
 def choices(allowed):
@@ -435,6 +444,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", metavar="PATH", help="also write the rows (each sample's answer too) as JSON")
     parser.add_argument("--verbose", action="store_true", help="each sample's answer and time")
+    parser.add_argument("--haystack", metavar="FILE",
+                        help="the prose needles hide in, as UTF-8 text (default: Python's documentation, then the "
+                             "system's license texts, which differ between machines: save them to a file to draw the "
+                             "same samples elsewhere)")
     run(parser.parse_args())
 
 

@@ -32,8 +32,8 @@ class KeyMoments(KVCache):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         layers, width = self.k.shape[0], self.n_kv_heads * self.k.shape[-1]
-        self.sums = torch.zeros(layers, width, dtype=torch.float64)
-        self.products = torch.zeros(layers, width, width, dtype=torch.float64)
+        self.sums = torch.zeros(layers, width, dtype=torch.float64, device=self.k.device)
+        self.products = torch.zeros(layers, width, width, dtype=torch.float64, device=self.k.device)
         self.tokens = 0
 
     def attend(self, layer, qk, v, x):

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from benchmarks.ruler import ADJECTIVES, NOUNS, TASKS, Generator, recall_all
+from benchmarks.ruler import ADJECTIVES, NOUNS, TASKS, Generator, Haystack, recall_all
 
 NEEDLE = re.compile(r"One of the special magic numbers for ([a-z]+-[a-z]+) is: (\d+)\. ")
 ASSIGNMENT = re.compile(r"^VAR ([A-Z]{5}) = (VAR ([A-Z]{5})|\d{5})$", re.M)
@@ -51,6 +51,16 @@ def test_needles_hide_in_the_natural_prose(generator):
         for sample in generator.samples(task, 16384, 2, seed=2):
             prose = NEEDLE.sub("", sample.document)
             assert len(prose) > 40000 and generator.haystack.text.startswith(prose)
+
+
+def test_a_given_haystack_is_the_prose_samples_draw(default_tokenizer, generator):
+    """`--haystack FILE`: the same samples on a machine whose Python documentation and licenses differ."""
+    text = "A river bends past the old mill. Its water turns the wheel slowly. " * 2000
+    own = Generator(default_tokenizer, Haystack(text))
+    sample, = own.samples("niah_single", 4096, 1, seed=4)
+    assert text.startswith(NEEDLE.sub("", sample.document))
+    again, = Generator(default_tokenizer, Haystack(generator.haystack.text)).samples("niah_single", 4096, 1, seed=4)
+    assert again.prompt == generator.samples("niah_single", 4096, 1, seed=4)[0].prompt
 
 
 def test_niah_single_and_multikey_answers_occur_once_and_distractors_never_give_them(generator):
