@@ -37,6 +37,7 @@ length.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -336,12 +337,13 @@ class Generator:
 # --- reading ---
 
 
-def open_reader(reader: str, loaded, capacity: int, indexer, for_segments) -> Session:
+def open_reader(reader: str, loaded, capacity: int, indexer, for_segments, topk: int | None = None) -> Session:
     if reader == "dense":
         return Session(loaded.model, capacity)
     if reader == "indexpool":
-        return Session(loaded.model, capacity, attention=SessionOptions().indexpool, indexer=indexer,
-                       segment_indexer=for_segments)
+        settings = SessionOptions().indexpool
+        settings = settings if topk is None else dataclasses.replace(settings, topk=topk)
+        return Session(loaded.model, capacity, attention=settings, indexer=indexer, segment_indexer=for_segments)
     # The window reader selects nothing: the segment indexer (hybrid) would only compute keys nobody reads.
     return Session(loaded.model, capacity, attention=IndexPoolConfig(topk=0), indexer=indexer)
 
@@ -358,7 +360,8 @@ def run(args) -> None:
     generator = Generator(tokenizer, haystack)
     context = loaded.config.context_length
     print(f"model {loaded.name} ({context} context), indexer {describe_indexers(indexer, for_segments)}, "
-          f"threads {torch.get_num_threads()}, seed {args.seed}", flush=True)
+          f"topk {args.topk or options.indexpool.topk}, threads {torch.get_num_threads()}, seed {args.seed}",
+          flush=True)
     print(f"{'task':<16} {'length':>7} {'reader':>9} {'score':>6} {'samples':>7} {'s/sample':>8} {'read/sample':>11}",
           flush=True)
     rows, averages = [], []
@@ -366,6 +369,7 @@ def run(args) -> None:
     def save() -> None:
         report = {"machine": machine, "model": loaded.name, "context": context,
                   "indexer": describe_indexers(indexer, for_segments), "seed": args.seed,
+                  "topk": args.topk or options.indexpool.topk,
                   "max_new_tokens": MAX_NEW_TOKENS, "rows": rows, "averages": averages}
         write_atomically(Path(args.json), json.dumps(report, indent=1).encode())
 
@@ -380,7 +384,7 @@ def run(args) -> None:
                 print(f"{'(all)':<16} {length:>7} {reader:>9}   skipped: the prompts exceed the model's "
                       f"{context}-token context", flush=True)
                 continue
-            session = open_reader(reader, loaded, longest, indexer, for_segments)
+            session = open_reader(reader, loaded, longest, indexer, for_segments, args.topk)
             scores = []
             for task in args.tasks:
                 details, seconds, read = [], [], []
@@ -444,6 +448,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", metavar="PATH", help="also write the rows (each sample's answer too) as JSON")
     parser.add_argument("--verbose", action="store_true", help="each sample's answer and time")
+    parser.add_argument("--topk", type=int, default=None,
+                        help="far tokens IndexPool selects per query (default: the engine's, 2048)")
     parser.add_argument("--haystack", metavar="FILE",
                         help="the prose needles hide in, as UTF-8 text (default: Python's documentation, then the "
                              "system's license texts, which differ between machines: save them to a file to draw the "

@@ -115,14 +115,18 @@ class IndexPoolBranches:
         self.far_rope_fp32 = cos[:, :, 0], sin_signed[:, :, 0]  # (B, N, D) each, for the C decode kernel
         # Additive masks, built once per step for every layer: invalid far slots; document window keys before a
         # branch's window start; own slots past a branch's current token.
-        self.far_mask = None if bool(self.far_valid.all()) else _additive(~self.far_valid)[:, None, None, :]
+        self.far_mask = None if bool(self.far_valid.all()) else _additive(~self.far_valid, device)[:, None, None, :]
         self.doc_window_start = int(self.ws.min())
         doc_positions = torch.arange(self.doc_window_start, self.prefix)
         hidden = doc_positions[None, :] < self.ws[:, None]  # (B, W)
         group = self.n_heads // self.n_kv_heads
         self.doc_mask = None if not bool(hidden.any()) else \
-            _additive(hidden).repeat_interleave(group, dim=0)[None, None]  # (1, 1, B * group, W)
-        self.own_mask = _additive(torch.arange(self.capacity)[None, :] > self.own_slots[:, None])[:, None, None, :]
+            _additive(hidden, device).repeat_interleave(group, dim=0)[None, None]  # (1, 1, B * group, W)
+        self.own_mask = _additive(torch.arange(self.capacity)[None, :] > self.own_slots[:, None],
+                                  device)[:, None, None, :]
+        # The bookkeeping above stays on the CPU (read as Python ints); what meets the model's tensors, on its device.
+        self.taken = torch.where(self.far_valid & self.takes_all[:, None], self.far_slots, 0).to(device)
+        self.on_device = {name: getattr(self, name).to(device) for name in ("takes_all", "far_valid", "ws", "positions")}
         tracked = [e for e in self.evidence if e is not None]
         if len({e.local_band for e in tracked}) > 1:
             raise ValueError("the branches' evidence must share one local band")
@@ -140,21 +144,22 @@ class IndexPoolBranches:
         if source != layer:
             return self.selections[source]
         B = q.shape[0]
-        taken = torch.where(self.far_valid & self.takes_all[:, None], self.far_slots, 0)  # everything before ws
+        taken = self.taken  # everything before ws
         if bool(self.takes_all.all()):
             return taken
         first_pool = s.sinks // s.kpool  # branches that select have ws > sinks + topk: all sinks are in
         end_pools = self.ws // s.kpool  # (B,)
         pooled = base.scored_pools(base.index, base.indexer, layer, first_pool, int(end_pools.max()))
         index_q, weights = base.indexer.queries(layer, x, q)  # (B, 1, ...): each branch's one query
-        limits = (end_pools - first_pool).clamp_min(0).view(1, B)
+        limits = (end_pools - first_pool).clamp_min(0).view(1, B).to(pooled.device)
         scores = base.indexer.score(layer, index_q.transpose(0, 1), weights.transpose(0, 1), pooled, limits)[0]
         pools = scores.topk(s.topk // s.kpool, dim=-1, sorted=False).indices
         pools = pools.sort(dim=-1).values + first_pool  # (B, topk/kpool)
-        chosen = torch.cat([torch.arange(s.sinks).expand(B, -1),
-                            (pools[..., None] * s.kpool + torch.arange(s.kpool)).flatten(-2)], dim=-1)
+        device = pools.device
+        chosen = torch.cat([torch.arange(s.sinks, device=device).expand(B, -1),
+                            (pools[..., None] * s.kpool + torch.arange(s.kpool, device=device)).flatten(-2)], dim=-1)
         chosen = F.pad(chosen, (0, taken.shape[1] - chosen.shape[1]))
-        return torch.where(self.takes_all[:, None], taken, chosen)
+        return torch.where(self.on_device["takes_all"][:, None], taken, chosen)
 
     def attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """qk (B, 1, H + KV, D) unrotated, v (B, 1, KV, D): each live branch's next token. Attention over its far
@@ -200,16 +205,18 @@ class IndexPoolBranches:
         the window's keys before the branch's window start or in the local band before its query."""
         B, KV, group, D = q.shape
         scale = D**-0.5
-        far_mass = torch.zeros(far.shape) if far_part is None else gathered_key_mass(*far_part, lse) * self.far_valid
-        far_mass.masked_fill_(far > (self.positions - self.local_band)[:, None], 0)  # a band reaching past the window
+        device, ws, positions = far.device, self.on_device["ws"], self.on_device["positions"]
+        far_mass = torch.zeros(far.shape, device=device) if far_part is None else \
+            gathered_key_mass(*far_part, lse) * self.on_device["far_valid"]
+        far_mass.masked_fill_(far > (positions - self.local_band)[:, None], 0)  # a band reaching past the window
         q_rows = q.transpose(0, 1).reshape(KV, B * group, D)
         # Keys in every branch's local band are left out below: not computed at all.
         limit = max(self.doc_window_start, min(self.prefix, int(self.positions.max()) - self.local_band + 1))
         doc_k = doc_k[:, : limit - self.doc_window_start]
         doc_logits = (q_rows @ doc_k.transpose(-1, -2)).float().view(KV, B, group, -1).transpose(0, 1) * scale
         doc_mass = (doc_logits - lse[..., None]).exp().sum(dim=(1, 2))  # (B, W)
-        doc_positions = torch.arange(self.doc_window_start, limit)
-        hidden = (doc_positions < self.ws[:, None]) | (doc_positions > (self.positions - self.local_band)[:, None])
+        doc_positions = torch.arange(self.doc_window_start, limit, device=device)
+        hidden = (doc_positions < ws[:, None]) | (doc_positions > (positions - self.local_band)[:, None])
         positions = torch.cat([far, doc_positions.expand(B, -1)], dim=1)
         mass = torch.cat([far_mass, doc_mass.masked_fill_(hidden, 0)], dim=1)
         for row, branch in enumerate(self.live.tolist()):
@@ -221,6 +228,6 @@ MASKED = -1e30  # finite: a row with nothing to see (a branch whose window start
 # gets a log-sum-exp near -1e30 and weight 0 in the merge, where -inf would give NaN
 
 
-def _additive(hidden: torch.Tensor) -> torch.Tensor:
-    """An additive fp32 attention mask: MASKED where hidden, 0 elsewhere."""
-    return torch.zeros(hidden.shape).masked_fill_(hidden, MASKED)
+def _additive(hidden: torch.Tensor, device) -> torch.Tensor:
+    """An additive fp32 attention mask on `device`: MASKED where hidden, 0 elsewhere."""
+    return torch.zeros(hidden.shape, device=device).masked_fill_(hidden.to(device), MASKED)
