@@ -28,6 +28,10 @@ before (IndexPool's segments, and so its selections, then start elsewhere: score
 
     .venv/bin/python -m benchmarks.ruler --lengths 4096,16384 --samples 5
     .venv/bin/python -m benchmarks.ruler --lengths 32768,131072 --readers indexpool,window --json ruler.json
+    .venv/bin/python -m benchmarks.ruler --haystack haystack.txt --lengths 32768 --tasks niah_single --topk 4096
+
+`--haystack FILE` draws the samples from that text (save `common.natural_haystack()` to a file to draw the same
+ones on another machine); `--topk` sets IndexPool's far tokens per query; `--json` is rewritten after every row.
 
 Prints the machine, then one row per (task, length, reader): score, samples, seconds per sample and the tokens a
 sample read (what its prompt did not share with the one before); then each reader's average over the tasks per
@@ -359,8 +363,9 @@ def run(args) -> None:
     haystack = Haystack(Path(args.haystack).read_text() if args.haystack else None)
     generator = Generator(tokenizer, haystack)
     context = loaded.config.context_length
+    topk = options.indexpool.topk if args.topk is None else args.topk
     print(f"model {loaded.name} ({context} context), indexer {describe_indexers(indexer, for_segments)}, "
-          f"topk {args.topk or options.indexpool.topk}, threads {torch.get_num_threads()}, seed {args.seed}",
+          f"topk {topk}, threads {torch.get_num_threads()}, seed {args.seed}",
           flush=True)
     print(f"{'task':<16} {'length':>7} {'reader':>9} {'score':>6} {'samples':>7} {'s/sample':>8} {'read/sample':>11}",
           flush=True)
@@ -369,7 +374,7 @@ def run(args) -> None:
     def save() -> None:
         report = {"machine": machine, "model": loaded.name, "context": context,
                   "indexer": describe_indexers(indexer, for_segments), "seed": args.seed,
-                  "topk": args.topk or options.indexpool.topk,
+                  "topk": topk,
                   "max_new_tokens": MAX_NEW_TOKENS, "rows": rows, "averages": averages}
         write_atomically(Path(args.json), json.dumps(report, indent=1).encode())
 

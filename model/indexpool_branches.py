@@ -126,7 +126,8 @@ class IndexPoolBranches:
                                   device)[:, None, None, :]
         # The bookkeeping above stays on the CPU (read as Python ints); what meets the model's tensors, on its device.
         self.taken = torch.where(self.far_valid & self.takes_all[:, None], self.far_slots, 0).to(device)
-        self.on_device = {name: getattr(self, name).to(device) for name in ("takes_all", "far_valid", "ws", "positions")}
+        self.on_device = {name: getattr(self, name).to(device)
+                          for name in ("takes_all", "far_valid", "ws", "positions")}
         tracked = [e for e in self.evidence if e is not None]
         if len({e.local_band for e in tracked}) > 1:
             raise ValueError("the branches' evidence must share one local band")
