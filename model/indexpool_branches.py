@@ -206,10 +206,10 @@ class IndexPoolBranches:
         the window's keys before the branch's window start or in the local band before its query."""
         B, KV, group, D = q.shape
         scale = D**-0.5
-        device, ws, positions = far.device, self.on_device["ws"], self.on_device["positions"]
+        device, ws, band_end = far.device, self.on_device["ws"], self.on_device["positions"] - self.local_band
         far_mass = torch.zeros(far.shape, device=device) if far_part is None else \
             gathered_key_mass(*far_part, lse) * self.on_device["far_valid"]
-        far_mass.masked_fill_(far > (positions - self.local_band)[:, None], 0)  # a band reaching past the window
+        far_mass.masked_fill_(far > band_end[:, None], 0)  # a band reaching past the window
         q_rows = q.transpose(0, 1).reshape(KV, B * group, D)
         # Keys in every branch's local band are left out below: not computed at all.
         limit = max(self.doc_window_start, min(self.prefix, int(self.positions.max()) - self.local_band + 1))
@@ -217,7 +217,7 @@ class IndexPoolBranches:
         doc_logits = (q_rows @ doc_k.transpose(-1, -2)).float().view(KV, B, group, -1).transpose(0, 1) * scale
         doc_mass = (doc_logits - lse[..., None]).exp().sum(dim=(1, 2))  # (B, W)
         doc_positions = torch.arange(self.doc_window_start, limit, device=device)
-        hidden = (doc_positions < ws[:, None]) | (doc_positions > (positions - self.local_band)[:, None])
+        hidden = (doc_positions < ws[:, None]) | (doc_positions > band_end[:, None])
         positions = torch.cat([far, doc_positions.expand(B, -1)], dim=1)
         mass = torch.cat([far_mass, doc_mass.masked_fill_(hidden, 0)], dim=1)
         for row, branch in enumerate(self.live.tolist()):
