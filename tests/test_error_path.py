@@ -54,7 +54,10 @@ def test_closed_standard_streams():
 def test_ctrl_c_at_any_moment_is_one_line_and_exit_130():
     """Interrupted while importing, loading the model and generating: the same line, never a traceback."""
     for delay in (0.2, 1.0, 4.0):
-        proc = subprocess.Popen([str(INDEXPOOL), "complete", "-n", "5000", "--attention", "dense", "Once upon"],
+        # greedy (-t 0): it loops on its story until the interrupt; a sampled completion could stop on its own in
+        # about 4 s, and the interrupt then land while Python shuts down (exit -2, no line)
+        proc = subprocess.Popen([str(INDEXPOOL), "complete", "-t", "0", "-n", "5000", "--attention", "dense",
+                                 "Once upon"],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(),
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         time.sleep(delay)
