@@ -241,6 +241,10 @@ def main() -> None:
         projection = pruning_projection(loaded)
         indexers["training-free pruned"] = (TrainingFreeIndexer(loaded.config, pattern.kpool, projection=projection),
                                             torch.bfloat16)
+        # As the engine builds it: the query turned by RoPE averaged over the far tokens' distances.
+        placed = (pattern.window, pattern.window + pattern.topk)
+        indexers["training-free pruned, RoPE-averaged"] = (
+            TrainingFreeIndexer(loaded.config, pattern.kpool, projection=projection, distances=placed), torch.bfloat16)
     path = args.indexer or default_indexer_path(loaded.name)
     if path is None:
         print("no lightning indexer shipped for this model: give --indexer", file=sys.stderr)

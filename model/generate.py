@@ -135,7 +135,8 @@ class Session:
             self.cache = model.new_cache(max_length)
             self.segment, self.query_tokens = segment, 0
         else:
-            indexer = indexer or TrainingFreeIndexer(model.config, attention.kpool, self.device)
+            indexer = indexer or TrainingFreeIndexer(model.config, attention.kpool, self.device,
+                                                     distances=attention.far_distances())
             self.cache = IndexPoolCache(model.config, attention, indexer, max_length, model.dtype, self.device,
                                         segment_indexer)
             # The prompt's last tokens (where a question is) get their own forward, so they select per query.

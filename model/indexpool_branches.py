@@ -136,6 +136,7 @@ class IndexPoolBranches:
             if self.evidence[branch] is not None:
                 self.evidence[branch].queries += 1
         self.selections: dict[int, torch.Tensor] = {}
+        self.layer_scores = None
 
     def _select(self, layer: int, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Far positions (B, N) of each live branch: sinks then its selected pools' tokens, or everything before
@@ -154,6 +155,8 @@ class IndexPoolBranches:
         index_q, weights = base.indexer.queries(layer, x, q)  # (B, 1, ...): each branch's one query
         limits = (end_pools - first_pool).clamp_min(0).view(1, B).to(pooled.device)
         scores = base.indexer.score(layer, index_q.transpose(0, 1), weights.transpose(0, 1), pooled, limits)[0]
+        if s.cumulative_scores:  # as IndexPoolCache._select ranks a query's pools
+            scores = self.layer_scores = scores if self.layer_scores is None else self.layer_scores + scores
         pools = scores.topk(s.topk // s.kpool, dim=-1, sorted=False).indices
         pools = pools.sort(dim=-1).values + first_pool  # (B, topk/kpool)
         device = pools.device

@@ -36,6 +36,10 @@ from the summed scores of `segment_queries` of its queries (`_block_pools`): a p
 thousands of queries would cost more than the attention it saves. Smaller blocks buy little perplexity for their
 prefill time (measured from the mean query: 8K +2.2% against dense with one selection per 2048-token segment,
 +2.0% with blocks of 256, which read 32K 10% slower; docs/benchmarks.md).
+A per-query selection (`cumulative_scores`) ranks pools by the query's scores summed over the layers of this forward
+that have scored so far, not by its own layer's alone: a layer's own scores single a needle out in a few layers
+only, and a different few for each needle, while the sum keeps it ranked in the layers after them
+(docs/benchmarks.md, "Long-context retrieval beyond passkey").
 An optional second indexer (`segment_indexer`: `--indexer hybrid`), with a pooled index of its own, makes the
 shared selections (a segment's blocks, a forward read with one selection); the first one makes the per-query ones.
 Layers alternate by default between a "full" indexer and a "shared" one that reuses the layer before's selection
@@ -88,12 +92,18 @@ class IndexPoolConfig:
     kv_storage: str = "auto"
     offload_dir: str | None = None  # keep history K/V in a memory-mapped file in this directory
     schedule: Sequence[str] | None = ("full", "shared")  # a pattern repeated over the layers; None: all full
+    cumulative_scores: bool = True  # per-query selections rank pools by their scores summed over the layers so far
 
     def sink_gap(self, context_length: int) -> int:
         """Positions left empty between the sinks and the far tokens while far tokens are selected: what puts the
         sinks `sink_distance` before a forward's first query, as far as the trained context allows."""
         slack = context_length - (self.sinks + self.topk + self.window + self.segment + self.kpool)
         return max(0, min(self.sink_distance - self.window - self.topk, slack))
+
+    def far_distances(self) -> tuple[int, int]:
+        """How far back of a query the selected far tokens are read: closed up just before the window (module
+        docstring), from the window's length to the window's and topk's."""
+        return self.window, self.window + self.topk
 
     def validate(self, context_length: int) -> None:
         def need(ok: bool, message: str) -> None:
@@ -424,6 +434,7 @@ class IndexPoolCache:
         self.fixed_positions = torch.arange(self.ws if self.n_far <= s.topk else self.n_sinks, device=device)
         self.pool_offsets = torch.arange(s.kpool, device=device)
         self.selections = {}
+        self.layer_scores = None  # per-query forwards: the scores summed over the layers that scored so far
         self.length = self.end
         if self.evidence is not None and length <= s.query_tokens:  # the forwards `attend` takes evidence from
             self.evidence.queries += length
@@ -445,6 +456,8 @@ class IndexPoolCache:
         index_q, weights = indexer.queries(layer, x, q)
         if self.per_query:
             scores = indexer.score(layer, index_q, weights, pooled)[0]  # (T, P)
+            if s.cumulative_scores:
+                scores = self.layer_scores = scores if self.layer_scores is None else self.layer_scores + scores
             if self.query_block > 1:  # blocks of queries share the sum of their scores
                 scores = F.pad(scores, (0, 0, 0, -T % self.query_block)).view(n_blocks, -1, scores.shape[1]).sum(1)
             pools = scores.topk(s.topk // s.kpool, dim=-1, sorted=False).indices  # sorted below

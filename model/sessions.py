@@ -54,7 +54,7 @@ def default_indexer(options: SessionOptions, loaded,
 
             projection = pruning_projection(loaded, calibrating=calibrating)
         return TrainingFreeIndexer(loaded.config, options.indexpool.kpool, loaded.model.device,
-                                   projection)
+                                   projection, options.indexpool.far_distances())
     if options.prune_index:
         raise SettingsError("--prune-index applies to the training-free indexer (--indexer auto, training-free or "
                             "hybrid); a trained indexer has keys of its own width")

@@ -60,6 +60,7 @@ class ReferenceCache:
     def begin(self, start, length):
         self.start, self.end, self.length = start, start + length, start + length
         self.selected = {}
+        self.summed_scores = None  # a short forward's scores, summed over the layers that scored
 
     def _selection(self, layer, x, q, ws, n_sinks):
         """Far positions per query, a list of T lists."""
@@ -95,6 +96,10 @@ class ReferenceCache:
                 selection += [[p * s.kpool + i for p in pools for i in range(s.kpool)]] * (e - b)
             return selection
         scores = indexer.score(layer, index_q, weights, pooled)[0]
+        if s.cumulative_scores:
+            if self.summed_scores is not None:
+                scores = scores + self.summed_scores
+            self.summed_scores = scores
         blocks = [(b, min(b + s.query_block, T)) for b in range(0, T, s.query_block)]
         scores = torch.stack([scores[b:e].sum(0) for b, e in blocks])
         selection = []
