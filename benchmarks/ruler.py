@@ -31,7 +31,8 @@ before (IndexPool's segments, and so its selections, then start elsewhere: score
     .venv/bin/python -m benchmarks.ruler --haystack haystack.txt --lengths 32768 --tasks niah_single --topk 4096
 
 `--haystack FILE` draws the samples from that text (save `common.natural_haystack()` to a file to draw the same
-ones on another machine); `--topk` sets IndexPool's far tokens per query; `--json` is rewritten after every row.
+ones on another machine); `--topk` sets IndexPool's far tokens per query, `--query-topk` those of the question's
+and the answer's queries; `--json` is rewritten after every row.
 
 Prints the machine, then one row per (task, length, reader): score, samples, seconds per sample and the tokens a
 sample read (what its prompt did not share with the one before); then each reader's average over the tasks per
@@ -341,12 +342,10 @@ class Generator:
 # --- reading ---
 
 
-def open_reader(reader: str, loaded, capacity: int, indexer, for_segments, topk: int | None = None) -> Session:
+def open_reader(reader: str, loaded, capacity: int, indexer, for_segments, settings: IndexPoolConfig) -> Session:
     if reader == "dense":
         return Session(loaded.model, capacity)
     if reader == "indexpool":
-        settings = SessionOptions().indexpool
-        settings = settings if topk is None else dataclasses.replace(settings, topk=topk)
         return Session(loaded.model, capacity, attention=settings, indexer=indexer, segment_indexer=for_segments)
     # The window reader selects nothing: the segment indexer (hybrid) would only compute keys nobody reads.
     return Session(loaded.model, capacity, attention=IndexPoolConfig(topk=0), indexer=indexer)
@@ -358,14 +357,16 @@ def run(args) -> None:
     print(machine, flush=True)
     loaded = load_engine(args.model, dtype=args.dtype)
     tokenizer = loaded.tokenizer
-    options = SessionOptions()
+    settings = SessionOptions().indexpool
+    asked = {name: value for name, value in (("topk", args.topk), ("query_topk", args.query_topk)) if value is not None}
+    options = SessionOptions(indexpool=dataclasses.replace(settings, **asked))
     indexer, for_segments = default_indexer(options, loaded), segment_indexer(options, loaded)
     haystack = Haystack(Path(args.haystack).read_text() if args.haystack else None)
     generator = Generator(tokenizer, haystack)
     context = loaded.config.context_length
-    topk = options.indexpool.topk if args.topk is None else args.topk
+    topk, query_topk = options.indexpool.topk, options.indexpool.short_topk()
     print(f"model {loaded.name} ({context} context), indexer {describe_indexers(indexer, for_segments)}, "
-          f"topk {topk}, threads {torch.get_num_threads()}, seed {args.seed}",
+          f"topk {topk}, query topk {query_topk}, threads {torch.get_num_threads()}, seed {args.seed}",
           flush=True)
     print(f"{'task':<16} {'length':>7} {'reader':>9} {'score':>6} {'samples':>7} {'s/sample':>8} {'read/sample':>11}",
           flush=True)
@@ -374,7 +375,7 @@ def run(args) -> None:
     def save() -> None:
         report = {"machine": machine, "model": loaded.name, "context": context,
                   "indexer": describe_indexers(indexer, for_segments), "seed": args.seed,
-                  "topk": topk,
+                  "topk": topk, "query_topk": query_topk,
                   "max_new_tokens": MAX_NEW_TOKENS, "rows": rows, "averages": averages}
         write_atomically(Path(args.json), json.dumps(report, indent=1).encode())
 
@@ -389,7 +390,7 @@ def run(args) -> None:
                 print(f"{'(all)':<16} {length:>7} {reader:>9}   skipped: the prompts exceed the model's "
                       f"{context}-token context", flush=True)
                 continue
-            session = open_reader(reader, loaded, longest, indexer, for_segments, args.topk)
+            session = open_reader(reader, loaded, longest, indexer, for_segments, options.indexpool)
             scores = []
             for task in args.tasks:
                 details, seconds, read = [], [], []
@@ -455,6 +456,8 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="each sample's answer and time")
     parser.add_argument("--topk", type=int, default=None,
                         help="far tokens IndexPool selects per query (default: the engine's, 2048)")
+    parser.add_argument("--query-topk", type=int, default=None,
+                        help="far tokens per query of the question and the answer (default: the engine's, 1024)")
     parser.add_argument("--haystack", metavar="FILE",
                         help="the prose needles hide in, as UTF-8 text (default: Python's documentation, then the "
                              "system's license texts, which differ between machines: save them to a file to draw the "

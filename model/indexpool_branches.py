@@ -102,7 +102,7 @@ class IndexPoolBranches:
         # Everything before the window is taken while it fits in topk; then it sits at its true positions while the
         # branch is inside the trained context (as in IndexPoolCache.begin), and in either case at 0..ws-1.
         self.takes_all = self.n_far <= s.topk
-        n_attended = torch.where(self.takes_all, self.ws, self.n_sinks + s.topk)
+        n_attended = torch.where(self.takes_all, self.ws, self.n_sinks + s.short_topk())  # a step is a short forward
         width = int(n_attended.max())
         self.far_slots = torch.arange(width)
         self.far_valid = self.far_slots < n_attended[:, None]  # (B, N)
@@ -157,7 +157,7 @@ class IndexPoolBranches:
         scores = base.indexer.score(layer, index_q.transpose(0, 1), weights.transpose(0, 1), pooled, limits)[0]
         if s.cumulative_scores:  # as IndexPoolCache._select ranks a query's pools
             scores = self.layer_scores = scores if self.layer_scores is None else self.layer_scores + scores
-        pools = scores.topk(s.topk // s.kpool, dim=-1, sorted=False).indices
+        pools = scores.topk(s.short_topk() // s.kpool, dim=-1, sorted=False).indices
         pools = pools.sort(dim=-1).values + first_pool  # (B, topk/kpool)
         device = pools.device
         chosen = torch.cat([torch.arange(s.sinks, device=device).expand(B, -1),

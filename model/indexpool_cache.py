@@ -6,7 +6,10 @@ A query at position p attends exactly to three parts of the history:
   - far tokens: the `topk` tokens of the best `topk // kpool` complete pools in [sinks, ws), chosen by an indexer
     (`model/indexers.py`) scoring the pooled index ("L2", `PooledIndexCache`: one pooled key per kpool tokens).
     While [sinks, ws) holds at most topk tokens, all of it is taken. topk 0 takes none and scores nothing: sinks
-    and the recent window alone (StreamingLLM), the no-retrieval baseline of benchmarks/ruler.py.
+    and the recent window alone (StreamingLLM), the no-retrieval baseline of benchmarks/ruler.py. A short forward
+    (a question, an answer's tokens) takes fewer once it selects: `query_topk`. Every far token beside the ones a
+    question needs dilutes them: with a RULER-style needle's sentence forced into the selection at 32K, the
+    default model answered 1 of 4 with 2,048 far tokens and 3 of 4 with 512 (docs/benchmarks.md).
 
 Storage, per layer: the un-rotated K and V of every token in a `HistoryStore` (bf16 or int8 with one scale per
 token and KV head; in memory or in a memory-mapped file), where the sinks and far tokens are gathered from; the
@@ -78,6 +81,7 @@ KV_STORAGE = ("auto", "bf16", "int8", "full")
 class IndexPoolConfig:
     kpool: int = 4
     topk: int = 2048  # far tokens per query (topk // kpool pools); 0: none, sinks and the recent window only
+    query_topk: int = 1024  # far tokens per query in short forwards (a question, an answer), at most topk
     window: int = 1024  # recent tokens always attended ("L1")
     sinks: int = 64  # first tokens always attended
     sink_distance: int = 4096  # once far tokens are selected, the sinks sit at least this far back (module docstring)
@@ -100,10 +104,15 @@ class IndexPoolConfig:
         slack = context_length - (self.sinks + self.topk + self.window + self.segment + self.kpool)
         return max(0, min(self.sink_distance - self.window - self.topk, slack))
 
+    def short_topk(self) -> int:
+        """Far tokens a query of a short forward (at most query_tokens: a question, an answer) attends to once
+        there are more than topk to choose from."""
+        return min(self.query_topk, self.topk)
+
     def far_distances(self) -> tuple[int, int]:
-        """How far back of a query the selected far tokens are read: closed up just before the window (module
-        docstring), from the window's length to the window's and topk's."""
-        return self.window, self.window + self.topk
+        """How far back of a short forward's query the selected far tokens are read: closed up just before the
+        window (module docstring), from the window's length to the window's and `short_topk`'s."""
+        return self.window, self.window + self.short_topk()
 
     def validate(self, context_length: int) -> None:
         def need(ok: bool, message: str) -> None:
@@ -112,6 +121,8 @@ class IndexPoolConfig:
 
         need(self.kpool >= 1, "kpool must be >= 1")
         need(self.topk >= 0 and self.topk % self.kpool == 0, f"topk must be 0 or a positive multiple of kpool={self.kpool}")
+        need(self.query_topk >= 0 and self.query_topk % self.kpool == 0,
+             f"query topk must be 0 or a positive multiple of kpool={self.kpool}")
         need(self.sinks >= 0 and self.sinks % self.kpool == 0, f"sinks must be a multiple of kpool={self.kpool}")
         need(min(self.window, self.segment, self.query_tokens, self.query_block, self.segment_block) >= 1,
              "window, segment, query tokens, query block and segment block must be >= 1")
@@ -408,15 +419,18 @@ class IndexPoolCache:
             self.recent_start = self.ws
         self.n_sinks = min(s.sinks, self.ws)
         self.n_far = self.ws - self.n_sinks
+        # Far tokens per query: all of them while they fit in topk; past that topk, or short_topk in a short forward.
+        short = length <= s.query_tokens
+        self.far_topk = s.short_topk() if short and self.n_far > s.topk else s.topk
         # Queries in blocks of query_block rows, one far selection each: the whole forward is one block when
         # everything fits, nothing is selected (topk 0) or the caller asked for one shared selection.
-        one_block = self.n_far <= s.topk or not s.topk or self.shared_selection
-        self.per_query = not one_block and length <= s.query_tokens  # each query scored, scores summed per block
+        one_block = self.n_far <= self.far_topk or not self.far_topk or self.shared_selection
+        self.per_query = not one_block and short  # each query scored, scores summed per block
         self.query_block = length if one_block else min(s.query_block if self.per_query else s.segment_block, length)
         device = self.inv_freq.device
         self.positions = torch.arange(start, self.end, device=device)
         self.cos, self.sin = rope_at(self.inv_freq, self.positions)
-        n_attended = self.n_sinks + min(self.n_far, s.topk)  # sinks, then far tokens, in ascending order
+        n_attended = self.n_sinks + min(self.n_far, self.far_topk)  # sinks, then far tokens, in ascending order
         placed = place_far_tokens(torch.arange(n_attended, device=device), self.ws, n_attended, self.n_sinks,
                                   self.sink_gap)
         if self.backend == "triton":
@@ -431,7 +445,7 @@ class IndexPoolCache:
         self.far_rope_fp32 = cos[:, 0], sin_signed[:, 0]  # (N, D) each, for the C decode kernel
         # Built once per forward rather than in every layer: the positions taken whole (the sinks, or everything
         # before the window while it fits in topk) and a pool's token offsets.
-        self.fixed_positions = torch.arange(self.ws if self.n_far <= s.topk else self.n_sinks, device=device)
+        self.fixed_positions = torch.arange(self.ws if self.n_far <= self.far_topk else self.n_sinks, device=device)
         self.pool_offsets = torch.arange(s.kpool, device=device)
         self.selections = {}
         self.layer_scores = None  # per-query forwards: the scores summed over the layers that scored so far
@@ -447,7 +461,7 @@ class IndexPoolCache:
             return self.selections[source]
         T = q.shape[1]
         n_blocks = -(-T // self.query_block)
-        if self.n_far <= s.topk or not s.topk:  # everything fits, or nothing is to be selected: no scoring
+        if self.n_far <= self.far_topk or not self.far_topk:  # everything fits, or nothing is to be selected
             return self.fixed_positions.expand(n_blocks, -1)
         first_pool, end_pool = self.n_sinks // s.kpool, self.ws // s.kpool
         indexer, index = (self.indexer, self.index) if self.per_query or self.segment_indexer is None else \
@@ -460,7 +474,7 @@ class IndexPoolCache:
                 scores = self.layer_scores = scores if self.layer_scores is None else self.layer_scores + scores
             if self.query_block > 1:  # blocks of queries share the sum of their scores
                 scores = F.pad(scores, (0, 0, 0, -T % self.query_block)).view(n_blocks, -1, scores.shape[1]).sum(1)
-            pools = scores.topk(s.topk // s.kpool, dim=-1, sorted=False).indices  # sorted below
+            pools = scores.topk(self.far_topk // s.kpool, dim=-1, sorted=False).indices  # sorted below
         else:
             pools = self._block_pools(layer, indexer, index_q, weights, pooled)
         far = ((pools.sort(dim=-1).values + first_pool)[..., None] * s.kpool + self.pool_offsets).flatten(-2)
@@ -492,7 +506,7 @@ class IndexPoolCache:
         else:
             pooled = pooled.expand(len(starts), -1, -1)
         scores = indexer.score(layer, index_q[0][picks], weights[0][picks], pooled).sum(dim=1)
-        pools = scores.topk(s.topk // s.kpool, dim=-1, sorted=False).indices
+        pools = scores.topk(self.far_topk // s.kpool, dim=-1, sorted=False).indices
         return pools if candidates is None else candidates.gather(-1, pools)
 
     def scored_pools(self, index: PooledIndexCache, indexer: Indexer, layer: int, first_pool: int,

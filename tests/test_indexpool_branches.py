@@ -31,15 +31,17 @@ def sequential_logits(model, session, prompt, forced, evidence=None):
     return torch.cat(logits)
 
 
+@pytest.mark.parametrize("query_topk", [8, 4])
 @pytest.mark.parametrize("head_dim", [8, 32])
 @pytest.mark.parametrize("document_length", [120, 36, 60, 12])
-def test_branches_attend_as_each_branch_alone(document_length, head_dim):
+def test_branches_attend_as_each_branch_alone(document_length, head_dim, query_topk):
     """120: every branch selects far pools at remapped positions; 36: everything before each window is taken;
     60: branches of different lengths straddle both cases in one batch; 12: some branches' windows start at 0
     (no far tokens at all) while others' do not. Head size 32: the C decode kernel's path where it runs (far
-    tokens gathered and rotated with each branch's own RoPE tables), 8: the torch path."""
+    tokens gathered and rotated with each branch's own RoPE tables), 8: the torch path. query_topk 4: a branch's
+    step, a short forward, takes fewer far tokens than topk (8) once it selects."""
     model = tiny_model(3, replace(CONFIG, head_dim=head_dim))
-    session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
+    session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS, query_topk=query_topk))
     document = prompts_for(5, [document_length])[0]
     session.prefill(document, query_tail=False)
     generator = torch.Generator().manual_seed(9)

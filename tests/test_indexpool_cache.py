@@ -103,8 +103,8 @@ class ReferenceCache:
         blocks = [(b, min(b + s.query_block, T)) for b in range(0, T, s.query_block)]
         scores = torch.stack([scores[b:e].sum(0) for b, e in blocks])
         selection = []
-        for row, (b, e) in zip(scores, blocks):
-            pools = sorted((row.topk(s.topk // s.kpool).indices + first).tolist())
+        for row, (b, e) in zip(scores, blocks):  # short forwards take query_topk (at most topk) far tokens
+            pools = sorted((row.topk(min(s.query_topk, s.topk) // s.kpool).indices + first).tolist())
             selection += [[p * s.kpool + i for p in pools for i in range(s.kpool)]] * (e - b)
         return selection
 
@@ -168,14 +168,16 @@ def prompts_for(seed, lengths):
     return [base[:n] for n in lengths]
 
 
-@pytest.mark.parametrize("length", [21, 40, 150])
-def test_matches_reference_attention(length):
+@pytest.mark.parametrize("length, query_topk", [(21, 1024), (40, 1024), (150, 1024), (150, 4)])
+def test_matches_reference_attention(length, query_topk):
     """21: dense inside the window; 40: everything selected at true positions; 150: past the model's 64-token
-    context, with shared segment selections, per-block selections at the end, remapped positions and decode."""
+    context, with shared segment selections, per-block selections at the end, remapped positions and decode; there
+    the short forwards take topk (8) far tokens, or 4 (query_topk)."""
     model = tiny_model()
     prompt = prompts_for(length, [length])
-    ours = run_session(model, SETTINGS, prompt)
-    reference = run_session(model, SETTINGS, prompt, reference=True)
+    settings = SETTINGS | {"query_topk": query_topk}
+    ours = run_session(model, settings, prompt)
+    reference = run_session(model, settings, prompt, reference=True)
     torch.testing.assert_close(ours, reference, atol=2e-4, rtol=0)
 
 
@@ -519,6 +521,26 @@ def test_settings_are_validated():
         IndexPoolConfig(offload_dir="/nonexistent/dir").validate(8192)
     with pytest.raises(ValueError, match="sink distance"):
         IndexPoolConfig(sink_distance=-1).validate(8192)
+    with pytest.raises(ValueError, match="query topk must be 0 or a positive multiple"):
+        IndexPoolConfig(query_topk=1026).validate(8192)
+    assert IndexPoolConfig(topk=512).short_topk() == 512 and IndexPoolConfig(query_topk=256).short_topk() == 256
+
+
+def test_short_forwards_take_query_topk_far_tokens_once_they_select():
+    """A 150-token prompt: its segments take nothing, then everything (4 sinks + 4), then select topk (8) far
+    tokens after the sinks; its last query_tokens tokens (the question) and the decode steps after it select
+    query_topk (4). A 20-token prompt: its question's window starts at the sinks' end (nothing far), and the decode
+    steps' 8 far tokens fit in topk: all are taken, though more than query_topk."""
+    model = tiny_model()
+    settings = IndexPoolConfig(**SETTINGS | {"query_topk": 4, "kv_storage": "full"})
+    for length, long_far, short_far in ((150, {0, 8, 4 + 8}, {4 + 4}), (20, {0}, {4, 4 + 8})):
+        session, seen, tokens = Session(model, 256, attention=settings), [], prompts_for(3, [length])[0]
+        for _ in range(4):  # the prompt, then three greedy steps
+            logits = session.prefill(tokens, on_select=lambda layer, queries, far: seen.append((len(queries),
+                                                                                                 far.shape[-1])))
+            tokens = tokens + [int(logits.argmax())]
+        assert {n for queries, n in seen if queries > SETTINGS["query_tokens"]} == long_far
+        assert {n for queries, n in seen if queries <= SETTINGS["query_tokens"]} == short_far
 
 
 def test_pooled_index_truncates_only_at_pool_boundaries():

@@ -68,6 +68,6 @@ def test_scores_at_one_distance_are_the_rotated_queries_softmax_over_pools():
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_far_tokens_are_read_from_the_window_back_to_the_window_and_topk():
-    settings = IndexPoolConfig(window=1024, topk=2048)
-    assert settings.far_distances() == (1024, 3072)
+def test_a_short_forward_reads_its_far_tokens_from_the_window_back_to_the_window_and_query_topk():
+    assert IndexPoolConfig(window=1024, topk=2048, query_topk=1024).far_distances() == (1024, 2048)
+    assert IndexPoolConfig(window=1024, topk=512).far_distances() == (1024, 1536)  # topk caps query_topk
