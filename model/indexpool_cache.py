@@ -81,7 +81,7 @@ KV_STORAGE = ("auto", "bf16", "int8", "full")
 class IndexPoolConfig:
     kpool: int = 4
     topk: int = 2048  # far tokens per query (topk // kpool pools); 0: none, sinks and the recent window only
-    query_topk: int = 1024  # far tokens per query in short forwards (a question, an answer), at most topk
+    query_topk: int = 1024  # far tokens per query in short forwards (a question, an answer); topk caps it
     window: int = 1024  # recent tokens always attended ("L1")
     sinks: int = 64  # first tokens always attended
     sink_distance: int = 4096  # once far tokens are selected, the sinks sit at least this far back (module docstring)
