@@ -1,7 +1,7 @@
-"""A dense decode step of the default model (as `indexpool bench` decodes: the model's dtype, its decode weights)
-with its K/V cache in each dtype asked, and its layers run each way asked, side by side: milliseconds per step
-after a prefill of --context random tokens, the variants alternating --rounds times so that a noisy host moves all
-alike. Prints the median per variant and their ratios to the first.
+"""A dense decode step of a model (the default one, or --model; as `indexpool bench` decodes: the model's dtype, its
+decode weights or --decode-weights) with its K/V cache in each dtype asked, and its layers run each way asked, side
+by side: milliseconds per step after a prefill of --context random tokens, the variants alternating --rounds times
+so that a noisy host moves all alike. Prints the median per variant and their ratios to the first.
 
     OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/python -m benchmarks.decode_step --context 4096 --threads 1
 
@@ -32,6 +32,8 @@ def main() -> None:
     parser.add_argument("--caches", default="bf16,fp32", help="cache dtypes, comma-separated (bf16, fp32)")
     parser.add_argument("--layers", default="c,python", help="how the layers run, comma-separated (c, python)")
     parser.add_argument("--dtype", default="auto", help="the model's dtype (auto, bf16, fp32)")
+    parser.add_argument("--model", default=None, help="a GGUF file or model directory (default: the default model)")
+    parser.add_argument("--decode-weights", default="auto", help="auto, gguf, int4, int8 or off (as the CLI's)")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     caches = [name.strip() for name in args.caches.split(",")]
@@ -42,7 +44,7 @@ def main() -> None:
         parser.error(f"--layers takes c, python, not {args.layers!r}")
     set_threads(args.threads)
     print(machine_description())
-    loaded = load_engine(None, args.dtype)
+    loaded = load_engine(args.model, args.dtype, decode_weights=args.decode_weights)
     model = loaded.model
     prompt = torch.randint(0, loaded.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
     in_c = model._decode_table()

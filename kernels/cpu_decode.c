@@ -6,7 +6,9 @@
  * context still spent about a third of its time in the ~40 small torch operations and Python calls around them in
  * each of its 30 layers (RMSNorm, RoPE, cache writes, dtype conversions, SiLU, residual adds). Here those run in
  * plain C between the kernels, which are called through the function pointers the caller passes (the kernels live
- * in their own libraries, cpu_linear.c and cpu_attention.c, each with its own tests).
+ * in their own libraries, cpu_linear.c, gguf_blocks.c and cpu_attention.c, each with its own tests). A linear is
+ * either a decode copy (cpu_linear's int4/int8 layouts) or a GGUF file's own blocks (gguf_blocks.c: each thread
+ * rounds its copy of the layer's input to int8 blocks, then computes its share of each run of matrices).
  *
  * Per layer, as model/llama.py's Block does it:
  *   h = rms_norm(x) * attention_norm;  qkv = wqkv(h);  q, k rotated (rotate-half RoPE at `position`);
@@ -22,13 +24,22 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* One linear layer's decode copy (kernels/cpu_linear.py's layouts). */
+/* Matrices of one GGUF block type (or F16) whose output rows follow one another, as gguf_blocks.c takes them. */
 typedef struct {
-    const void *weight;   /* int4: packed rows; int8: int8 rows */
-    const float *scales;  /* int8: one per output row; int4: NULL (the scales sit in the rows) */
-    const float *bias;    /* or NULL */
+    const uint8_t *const *parts;
+    const int64_t *part_rows;
+    const int64_t *columns;  /* output row n goes to column columns[n]; NULL: column n */
+    int64_t type, n_parts, rows;
+} block_run;
+
+/* One linear layer: a decode copy (kernels/cpu_linear.py's layouts) or the file's blocks. */
+typedef struct {
+    const void *weight;   /* int4: packed rows; int8: int8 rows; blocks: `runs` block_runs */
+    const float *scales;  /* int8: one per output row; else NULL (int4: the scales sit in the rows) */
+    const float *bias;    /* or NULL; by output column */
     int64_t out_features, in_features;
-    int64_t bits;         /* 4 or 8 */
+    int64_t bits;         /* 4 or 8; 0: the file's blocks */
+    int64_t runs;
 } linear_weights;
 
 typedef struct {
@@ -46,11 +57,30 @@ typedef int (*decode_attention_fn)(const void *, const void *, const void *, con
                                    int, int, int, int64_t, int64_t, int64_t, int64_t, float, const int64_t *,
                                    const float *, const float *, int64_t, float *);
 
-typedef struct {
+typedef int (*gguf_linear_fn)(int, const int8_t *, const float *, const float *, const float *, int64_t, int64_t,
+                              const uint8_t *const *, const int64_t *, int64_t, int64_t, int64_t, void *, int64_t,
+                              int, const int64_t *, int);
+typedef int (*gguf_linear_f16_fn)(const float *, int64_t, int64_t, int64_t, const uint8_t *const *, const int64_t *,
+                                  int64_t, int64_t, int64_t, void *, int64_t, int, const int64_t *, int);
+typedef int (*gguf_quantize_fn)(const float *, int64_t, int64_t, int64_t, int8_t *, float *, float *, float *);
+
+typedef struct { /* NULL where a library did not build: the caller passes no layer that needs it */
     linear_int4_fn linear_int4;
     linear_int8_fn linear_int8;
     decode_attention_fn decode_attention;
+    gguf_linear_fn gguf_linear;
+    gguf_linear_f16_fn gguf_linear_f16;
+    gguf_quantize_fn gguf_quantize;
 } kernels;
+
+#define GGUF_F16 1 /* ggml's type number of F16; the others are block types */
+#define GGUF_BLOCK 32
+
+/* A thread's copy of a linear's input in int8 blocks of 32 (gguf_blocks.c's activations). */
+typedef struct {
+    int8_t *q;
+    float *d, *s, *s16;
+} activation_blocks;
 
 static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
     float sum = 0.0f;
@@ -149,8 +179,40 @@ static void share(int64_t n, int thread, int threads, int64_t *first, int64_t *e
     *end = thread == threads - 1 ? n : n * (thread + 1) / threads / 8 * 8;
 }
 
+/* This thread's share of each run of a linear on the file's blocks, its input rounded to int8 blocks here. */
+static int blocks_share(const kernels *f, const linear_weights *w, const float *x, float *y, int thread, int threads,
+                        const activation_blocks *a) {
+    const block_run *runs = w->weight;
+    const int64_t K = w->in_features;
+    int status = 0, quantized = 0;
+    for (int64_t r = 0; r < w->runs; r++) {
+        const block_run *run = &runs[r];
+        int64_t first, end;
+        share(run->rows, thread, threads, &first, &end);
+        if (first >= end) continue;
+        if (run->type == GGUF_F16) {
+            status |= f->gguf_linear_f16(x, 1, K, K, run->parts, run->part_rows, run->n_parts, first, end, y, 0, 0,
+                                         run->columns, 1);
+        } else {
+            if (!quantized) {
+                status |= f->gguf_quantize(x, 1, K, K, a->q, a->d, a->s, a->s16);
+                quantized = 1;
+            }
+            status |= f->gguf_linear((int)run->type, a->q, a->d, a->s, a->s16, 1, K, run->parts, run->part_rows,
+                                     run->n_parts, first, end, y, 0, 0, run->columns, 1);
+        }
+        if (w->bias)
+            for (int64_t n = first; n < end; n++) {
+                const int64_t column = run->columns ? run->columns[n] : n;
+                y[column] += w->bias[column];
+            }
+    }
+    return status;
+}
+
 static int linear_share(const kernels *f, const linear_weights *w, const float *x, float *y, int thread,
-                        int threads) {
+                        int threads, const activation_blocks *a) {
+    if (w->bits == 0) return blocks_share(f, w, x, y, thread, threads, a);
     int64_t first, end;
     share(w->out_features, thread, threads, &first, &end);
     if (first >= end) return 0;
@@ -171,12 +233,20 @@ static void *run_layers(void *argument) {
     while (!atomic_load_explicit(&s->go, memory_order_acquire)) sched_yield();
     const int t = me->thread, T = s->threads, D = s->head_dim, group = s->heads / s->kv_heads;
     const int64_t q_dim = (int64_t)s->heads * D, kv_dim = (int64_t)s->kv_heads * D, ffn = s->ffn_dim;
-    float *x = malloc(sizeof(float) * (2 * s->dim + ffn));
-    if (!x) {
+    /* x, h, act, then the widest input in int8 blocks: d, s, s16 (a float per 32, 32, 16 inputs) and q */
+    const int64_t wider = ffn > q_dim ? ffn : q_dim, widest = wider > s->dim ? wider : s->dim;
+    const int64_t blocks = widest / GGUF_BLOCK;
+    float *x = malloc(sizeof(float) * (2 * s->dim + ffn + 4 * blocks) + widest);
+    activation_blocks a = {0};
+    float *h = NULL, *act = NULL;
+    if (x) {
+        memcpy(x, s->x_in, sizeof(float) * s->dim);
+        h = x + s->dim, act = h + s->dim;
+        a = (activation_blocks){(int8_t *)(act + ffn + 4 * blocks), act + ffn, act + ffn + blocks,
+                                act + ffn + 2 * blocks};
+    } else {
         atomic_store(&s->status, -1);  /* still takes part in every barrier, computing nothing */
     }
-    float *h = x ? x + s->dim : NULL, *act = x ? h + s->dim : NULL;
-    if (x) memcpy(x, s->x_in, sizeof(float) * s->dim);
     int g0 = (int)((int64_t)s->kv_heads * t / T), g1 = (int)((int64_t)s->kv_heads * (t + 1) / T);
     const float scale = 1.0f / sqrtf((float)D);
     for (int l = 0; l < s->n_layers; l++) {
@@ -186,7 +256,7 @@ static void *run_layers(void *argument) {
             if (l > 0)
                 for (int i = 0; i < s->dim; i++) x[i] += s->y[i];  /* the previous layer's w2 */
             rms_norm(x, w->attention_norm, s->dim, s->eps, h);
-            status |= linear_share(s->f, &w->wqkv, h, s->wide, t, T);
+            status |= linear_share(s->f, &w->wqkv, h, s->wide, t, T, &a);
         }
         barrier_wait(&s->sync);
         if (x && g0 < g1) {  /* this thread's KV heads and their query heads */
@@ -216,12 +286,12 @@ static void *run_layers(void *argument) {
                 for (int64_t i = 0; i < count; i++) s->attended[first + i] = from_bf16(s->q_bf16[q_dim + first + i]);
         }
         barrier_wait(&s->sync);
-        if (x) status |= linear_share(s->f, &w->wo, s->attended, s->y, t, T);
+        if (x) status |= linear_share(s->f, &w->wo, s->attended, s->y, t, T, &a);
         barrier_wait(&s->sync);
         if (x) {
             for (int i = 0; i < s->dim; i++) x[i] += s->y[i];
             rms_norm(x, w->ffn_norm, s->dim, s->eps, h);
-            status |= linear_share(s->f, &w->w13, h, s->wide, t, T);
+            status |= linear_share(s->f, &w->w13, h, s->wide, t, T, &a);
         }
         barrier_wait(&s->sync);  /* also: every thread has read y before w2 overwrites it */
         if (x) {
@@ -229,7 +299,7 @@ static void *run_layers(void *argument) {
                 const float gate = s->wide[i];
                 act[i] = gate / (1.0f + expf(-gate)) * s->wide[ffn + i];
             }
-            status |= linear_share(s->f, &w->w2, act, s->y, t, T);
+            status |= linear_share(s->f, &w->w2, act, s->y, t, T, &a);
         }
         barrier_wait(&s->sync);  /* also: every thread has read wide before the next qkv overwrites it */
         if (status) atomic_store(&s->status, -1);

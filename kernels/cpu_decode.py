@@ -7,8 +7,9 @@ every layer of the step in C instead: RMSNorm, RoPE, the cache writes, SiLU and 
 linear and attention kernels called through their function pointers. Its reference is the model's own layer code
 (`model/llama.py`), which the tests compare it with.
 
-Takes: a model whose linear layers all have C-kernel decode copies (an fp32 model; `model.quant`), no q/k norm, a
-dense cache of one sequence in fp32 or bf16 that the attention kernel reads. Built on first use like the other
+Takes: an fp32 model whose linear layers all have C-kernel decode copies (`model.quant`) or compute on the GGUF
+file's blocks (`model.gguf_weights`, every run of matrices in a type the block kernels take), no q/k norm, a dense
+cache of one sequence in fp32 or bf16 that the attention kernel reads. Built on first use like the other
 kernels (`kernels.native_build`); INDEXPOOL_KERNELS=torch turns it off with them.
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_attention, cpu_linear, torch_forced
+from . import cpu_attention, cpu_linear, gguf_blocks, torch_forced
 from .native_build import build_native
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -28,9 +29,15 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 SIGNATURE = "pip" + "iiiiqf" + "ppp" + "pp" + "iqqq" + "i"
 
 
+class BlockRun(ctypes.Structure):
+    _fields_ = [("parts", ctypes.c_void_p), ("part_rows", ctypes.c_void_p), ("columns", ctypes.c_void_p),
+                ("type", ctypes.c_int64), ("n_parts", ctypes.c_int64), ("rows", ctypes.c_int64)]
+
+
 class LinearWeights(ctypes.Structure):
     _fields_ = [("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64), ("bits", ctypes.c_int64)]
+                ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64), ("bits", ctypes.c_int64),
+                ("runs", ctypes.c_int64)]
 
 
 class LayerWeights(ctypes.Structure):
@@ -40,7 +47,8 @@ class LayerWeights(ctypes.Structure):
 
 class Kernels(ctypes.Structure):
     _fields_ = [("linear_int4", ctypes.c_void_p), ("linear_int8", ctypes.c_void_p),
-                ("decode_attention", ctypes.c_void_p)]
+                ("decode_attention", ctypes.c_void_p), ("gguf_linear", ctypes.c_void_p),
+                ("gguf_linear_f16", ctypes.c_void_p), ("gguf_quantize", ctypes.c_void_p)]
 
 
 # Run in a child process on a freshly built library: its plain C is compiled for this CPU (-march=native), and an
@@ -66,12 +74,12 @@ attention = Attention(lambda q, k, v, m, out, *rest: [out.__setitem__(i, 0) for 
 dim, layers, length = 32, 2, 4
 norm = (ctypes.c_float * dim)(*[1.0] * dim)
 linear = lambda n, k, bits: (None, None, None, n, k, bits)
-table = (ctypes.c_int64 * (2 + 4 * 6) * layers)()
+table = (ctypes.c_int64 * (2 + 4 * 7) * layers)()
 for layer in table:
     layer[0] = layer[1] = ctypes.addressof(norm)
     for i, (n, k, bits) in enumerate(((3 * dim, dim, 4), (dim, dim, 8), (2 * dim, dim, 4), (dim, 2 * dim, 8))):
-        layer[2 + 6 * i + 3 : 2 + 6 * i + 6] = [n, k, bits]
-functions = (ctypes.c_void_p * 3)(ctypes.cast(linear4, ctypes.c_void_p), ctypes.cast(linear8, ctypes.c_void_p),
+        layer[2 + 7 * i + 3 : 2 + 7 * i + 6] = [n, k, bits]
+functions = (ctypes.c_void_p * 6)(ctypes.cast(linear4, ctypes.c_void_p), ctypes.cast(linear8, ctypes.c_void_p),
                                   ctypes.cast(attention, ctypes.c_void_p))
 cos, sin = (ctypes.c_float * dim)(*[1.0] * dim), (ctypes.c_float * dim)()
 for threads in (1, 2):  # two threads: the KV head on one, and the linears' rows split
@@ -100,29 +108,42 @@ def native_library() -> tuple[ctypes.CDLL | None, str]:
 
 @functools.cache
 def _kernels() -> Kernels | None:
-    """The linear and attention kernels' addresses, or None where either library did not build."""
-    linear, attention = cpu_linear.native_library()[0], cpu_attention.native_library()[0]
-    if linear is None or attention is None:
+    """The kernels' addresses (a linear library that did not build: 0), or None where attention's did not build."""
+    linear, blocks = cpu_linear.native_library()[0], gguf_blocks.native_library()[0]
+    attention = cpu_attention.native_library()[0]
+    if attention is None:
         return None
-    address = lambda function: ctypes.cast(function, ctypes.c_void_p).value  # noqa: E731
-    return Kernels(address(linear.linear_int4), address(linear.linear_int8), address(attention.decode_attention))
+
+    def address(library: ctypes.CDLL | None, name: str) -> int:
+        return ctypes.cast(getattr(library, name), ctypes.c_void_p).value if library else 0
+
+    return Kernels(address(linear, "linear_int4"), address(linear, "linear_int8"),
+                   address(attention, "decode_attention"), address(blocks, "gguf_linear"),
+                   address(blocks, "gguf_linear_f16"), address(blocks, "gguf_quantize_rows"))
 
 
-def unavailable() -> str | None:
-    """Why the whole-step kernel cannot run here (it or the kernels it calls did not build), or None; see
-    `kernel_runs` for INDEXPOOL_KERNELS."""
+def unavailable(blocks: bool = False) -> str | None:
+    """Why the whole-step kernel cannot run here (it or the kernels it calls did not build), or None; `blocks`:
+    for linears on a GGUF file's blocks (else decode copies). See `kernel_runs` for INDEXPOOL_KERNELS."""
     library, origin = native_library()
     if library is None:
         return origin
-    if _kernels() is None:
-        return "torch (the C linear or attention kernel did not build)"
+    kernels = _kernels()
+    if kernels is None or not (kernels.gguf_linear if blocks else kernels.linear_int4):
+        return f"torch (the C {'GGUF block' if blocks else 'linear'} or attention kernel did not build)"
     return None
 
 
-def kernel_runs() -> bool:
-    """Whether the whole-step kernel runs here: built, its kernels built, and not switched off
-    (INDEXPOOL_KERNELS=torch, read per call)."""
-    return not torch_forced() and unavailable() is None
+def kernel_runs(blocks: bool = False) -> bool:
+    """Whether the whole-step kernel runs here (for linears on blocks, or decode copies): built, its kernels built,
+    and not switched off (INDEXPOOL_KERNELS=torch, read per call)."""
+    return not torch_forced() and unavailable(blocks) is None
+
+
+def takes_blocks(linear) -> bool:
+    """Whether a `model.gguf_weights.BlockLinear` can run in the step: every run of its rows on the file's blocks
+    in a type the block kernels compute on (F32 and BF16 rows go through torch)."""
+    return all(matrices is not None and matrices.qtype not in (0, 30) for _, matrices, _ in linear.groups)
 
 
 class DecodeLayers:
@@ -132,8 +153,8 @@ class DecodeLayers:
     def __init__(self, layers: list[dict], dim: int, heads: int, kv_heads: int, head_dim: int, ffn_dim: int,
                  eps: float):
         """layers: per layer, "attention_norm" and "ffn_norm" (fp32 (dim,)) and for "wqkv", "wo", "w13" (gate
-        rows, then up rows) and "w2" a tuple (qweight, scales or None, bias or None, bits, in_features) in
-        `kernels.cpu_linear`'s layouts."""
+        rows, then up rows) and "w2" either a tuple (qweight, scales or None, bias or None, bits, in_features) in
+        `kernels.cpu_linear`'s layouts, or a `model.gguf_weights.BlockLinear` whose runs are all on blocks."""
         self.tensors = []
         self.table = (LayerWeights * len(layers))()
         for entry, layer in zip(self.table, layers):
@@ -142,15 +163,32 @@ class DecodeLayers:
                 self.tensors.append(tensor)
                 setattr(entry, name, tensor.data_ptr())
             for name in ("wqkv", "wo", "w13", "w2"):
-                qweight, scales, bias, bits, in_features = layer[name]
-                self.tensors += [t for t in (qweight, scales, bias) if t is not None]
-                if any(t is not None and t.dtype != torch.float32 for t in (scales, bias)):
-                    raise ValueError("decode_layers takes fp32 scales and biases")
-                setattr(entry, name, LinearWeights(qweight.data_ptr(), 0 if scales is None else scales.data_ptr(),
-                                                   0 if bias is None else bias.data_ptr(), qweight.shape[0],
-                                                   in_features, bits))
+                setattr(entry, name, self._linear(layer[name]))
         self.n_layers = len(layers)
         self.dims = (dim, heads, kv_heads, head_dim, ffn_dim, eps)
+
+    def _linear(self, linear) -> LinearWeights:
+        """One linear as the table holds it; what it points into is kept alive in self.tensors."""
+        if isinstance(linear, tuple):
+            qweight, scales, bias, bits, in_features = linear
+            self.tensors.append(qweight)
+            weight, out_features, runs = qweight.data_ptr(), qweight.shape[0], 0
+        else:
+            if not takes_blocks(linear):
+                raise ValueError("decode_layers takes linears on the file's blocks in the block kernels' types")
+            scales, bias, bits, in_features = None, linear.bias, 0, linear.in_features
+            table = (BlockRun * len(linear.groups))()
+            for run, (_, matrices, _) in zip(table, linear.groups):
+                run.parts, run.part_rows = ctypes.addressof(matrices.pointers), ctypes.addressof(matrices.part_rows)
+                run.columns = 0 if matrices.columns is None else matrices.columns.data_ptr()
+                run.type, run.n_parts, run.rows = matrices.qtype, len(matrices.parts), matrices.out_features
+            self.tensors += [linear, table]  # the layer holds its matrices' pointer arrays and columns
+            weight, out_features, runs = ctypes.addressof(table), linear.out_features, len(table)
+        if any(t is not None and t.dtype != torch.float32 for t in (scales, bias)):
+            raise ValueError("decode_layers takes fp32 scales and biases")
+        self.tensors += [t for t in (scales, bias) if t is not None]
+        return LinearWeights(weight, 0 if scales is None else scales.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                             out_features, in_features, bits, runs)
 
     def __call__(self, x: torch.Tensor, position: int, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:

@@ -406,7 +406,8 @@ def _scratch_rows(rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
     buffers = _scratch.__dict__.setdefault("buffers", {})
     buffer = buffers.get(dtype)
     if buffer is None or buffer.numel() < rows * columns:
-        buffer = buffers[dtype] = torch.empty(rows * columns, dtype=dtype)
+        with torch.inference_mode(False):  # a buffer made in inference mode could not be written outside it
+            buffer = buffers[dtype] = torch.empty(rows * columns, dtype=dtype)
     return buffer[: rows * columns].view(rows, columns)
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from indexpool.kernels import cpu_decode
+from indexpool.kernels import cpu_decode, torch_forced
 from indexpool.kernels.cpu_attention import decode_attention, native_attention_takes, native_prefill
 from indexpool.kernels.rope import apply_rope
 
@@ -317,20 +317,21 @@ class Transformer(nn.Module):
 
     def _decodes_in_c(self, cache: KVCache, x: torch.Tensor) -> bool:
         """Whether this one-token step of one sequence over a dense cache runs all its layers in one C call
-        (`kernels.cpu_decode`): an fp32 model whose linears all have C decode copies, a cache the attention kernel
-        reads, no autograd."""
+        (`kernels.cpu_decode`): an fp32 model whose linears all have C decode copies or all lie in GGUF blocks, a
+        cache the attention kernel reads, no autograd."""
         if self._decode_layers is False:
             self._decode_layers = self._decode_table()
         return (self._decode_layers is not None and not x.requires_grad
                 and cache.k.shape[1] == 1 and native_attention_takes(cache.k.dtype, self.config.head_dim)
-                and cpu_decode.kernel_runs())
+                and not torch_forced())
 
     def _decode_table(self) -> cpu_decode.DecodeLayers | None:
         """The layers as the C step reads them, or None for a model it does not take (`_not_in_c` says why)."""
         if self._not_in_c() is not None:
             return None
         layers = [{"attention_norm": block.attention_norm, "ffn_norm": block.ffn_norm}
-                  | {name: (m.qweight, m.scales if m.bits == 8 else None, m.bias, m.bits, m.weight.shape[1])
+                  | {name: m if isinstance(m, BlockLinear) else
+                     (m.qweight, m.scales if m.bits == 8 else None, m.bias, m.bits, m.weight.shape[1])
                      for name, m in zip(("wqkv", "wo", "w13", "w2"), block.linears())}
                   for block in self.layers]
         return cpu_decode.DecodeLayers(layers, self.config.dim, self.config.n_heads, self.config.n_kv_heads,
@@ -343,14 +344,17 @@ class Transformer(nn.Module):
             return "an fp32 model on a CPU only"
         if self.config.qk_norm:
             return "the C step has no q/k norm"
-        if not all(isinstance(m, DecodeQuantLinear) and m.native for block in self.layers for m in block.linears()):
-            return "the linears have no C decode copies"
-        return cpu_decode.unavailable()
+        linears = [m for block in self.layers for m in block.linears()]
+        if all(isinstance(m, DecodeQuantLinear) and m.native for m in linears):
+            return cpu_decode.unavailable()
+        if all(isinstance(m, BlockLinear) and cpu_decode.takes_blocks(m) for m in linears):
+            return cpu_decode.unavailable(blocks=True)
+        return "the linears have neither C decode copies nor all their weights in GGUF blocks the C step takes"
 
     def decode_step_path(self) -> str:
         """Which code runs the layers of a one-sequence decode step over a dense cache, for `indexpool info`."""
         why_not = self._not_in_c()
-        if why_not is None and not cpu_decode.kernel_runs():
+        if why_not is None and torch_forced():
             why_not = "INDEXPOOL_KERNELS=torch"
         if why_not is None and not native_attention_takes(self.cache_dtype or self.dtype, self.config.head_dim):
             why_not = "the C attention kernel does not read this cache"

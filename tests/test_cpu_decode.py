@@ -144,3 +144,70 @@ def test_a_whole_generation_is_the_same_either_way(one_thread):
         session = Session(model, 64)
         runs.append(list(session.generate([1, 2, 3, 4, 5], Sampler(SamplingParams(temperature=0.0)), 12)))
     assert model._decode_layers is None and runs[0] == runs[1] and len(runs[0]) == 12
+
+
+# Models on a GGUF file's blocks (`model.gguf_weights`), each layout exercising a part of the step's wiring: llama's
+# Q/K rows stay permuted in the file (their outputs are written to reordered columns), Qwen2's qkv bias, and a
+# mixed file as llama.cpp writes its _M formats (V and down in other types) with F16 rows besides: a layer of runs
+# of several types. (The K-quants' kernels are the same calls; the gguf package cannot write them:
+# tests/test_gguf_blocks.py tests them from blocks it makes itself.)
+BLOCK_LAYOUTS = {
+    "llama-Q4_0": ("llama", {}, "Q4_0", None),
+    "qwen2-bias-Q8_0": ("qwen2", {}, "Q8_0", None),
+    "llama-mixed": ("llama", {}, "Q5_0", {"attn_v": "Q8_0", "ffn_down": "Q4_1", "attn_output": "F16"}),
+}
+
+
+@pytest.fixture(scope="module", params=list(BLOCK_LAYOUTS))
+def block_model(request, tmp_path_factory, default_gguf_metadata):
+    from indexpool.kernels import gguf_blocks
+    from indexpool.model.loader import load_model
+    from tests.tiny_models import make_hf_model, write_gguf
+
+    if gguf_blocks.native_library()[0] is None:
+        pytest.skip(f"the GGUF block kernels do not build here: {gguf_blocks.native_library()[1]}")
+    family, dims, qtype, qtypes = BLOCK_LAYOUTS[request.param]
+    hf = make_hf_model(family, 49152, **{"hidden_size": 128, "intermediate_size": 96, **dims})
+    path = write_gguf(hf, tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf", default_gguf_metadata,
+                      arch=family, qtype=qtype, qtypes=qtypes)
+    return load_model(path, torch.float32, blocks=True).model
+
+
+def test_a_step_on_gguf_blocks_matches_the_layer_code(one_thread, block_model):
+    """The same kernels compute each linear either way, from activations rounded to int8 blocks of 32 by the same
+    code; what differs is the fp32 rounding of RMSNorm, RoPE and SiLU before them, and where such a difference moves
+    an activation across a rounding midpoint its int8 level moves by one, which moves the product by one level's
+    share (1/127 of that block's largest activation times the weight). So the logits agree to a small fraction of
+    their size rather than to fp32 roundings (the 135M default model, 30 layers: 2% of the largest logit), the
+    greedy tokens are the same, and a wrongly wired part (a column, a bias, a run of another type) would be off by
+    the size of its outputs."""
+    needs_kernels()
+    assert block_model._decode_table() is not None, block_model._not_in_c()
+    (c_logits, c_cache), (py_logits, py_cache) = decode_both_ways(block_model, 37, 6, torch.float32)
+    assert torch.equal(c_logits.argmax(-1), py_logits.argmax(-1))
+    assert (c_logits - py_logits).abs().max() <= 0.01 * py_logits.abs().max()
+    for c, py in ((c_cache.k, py_cache.k), (c_cache.v, py_cache.v)):
+        assert (c[:, :, :, :43] - py[:, :, :, :43]).abs().max() <= 0.01 * py[:, :, :, :43].abs().max()
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_split_a_step_on_gguf_blocks_without_changing_it(one_thread, block_model, threads):
+    """Each thread rounds its own copy of a layer's input to int8 blocks and computes its share of each run's rows:
+    every output computed whole by one thread, as one thread computes it, so the same bits."""
+    needs_kernels()
+    (one, one_cache), _ = decode_both_ways(block_model, 37, 4, torch.float32)
+    (many, many_cache), _ = decode_both_ways(block_model, 37, 4, torch.float32, step_threads=threads)
+    assert torch.equal(one, many) and torch.equal(one_cache.k, many_cache.k) and torch.equal(one_cache.v, many_cache.v)
+
+
+def test_a_layer_with_rows_the_block_kernels_do_not_take_runs_per_layer(one_thread, tmp_path, default_gguf_metadata):
+    """BF16 rows go through torch (`gguf_blocks.linear`): a model with them decodes with the layer code, and says so."""
+    from indexpool.model.loader import load_model
+    from tests.tiny_models import make_hf_model, write_gguf
+
+    needs_kernels()
+    hf = make_hf_model("llama", 49152, hidden_size=128, intermediate_size=96)
+    path = write_gguf(hf, tmp_path / "bf16-wo.gguf", default_gguf_metadata, qtype="Q4_0",
+                      qtypes={"attn_output": "BF16"})
+    model = load_model(path, torch.float32, blocks=True).model
+    assert model._decode_table() is None and "GGUF blocks the C step takes" in model.decode_step_path()

@@ -44,8 +44,10 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, path: Path, tokenizer_metadata: dict, arch: str = "llama", qtype: str = "F32") -> Path:
-    """Write a transformers llama/qwen model as GGUF; 2-D weights stored as `qtype`, norms as F32."""
+def write_gguf(model, path: Path, tokenizer_metadata: dict, arch: str = "llama", qtype: str = "F32",
+               qtypes: dict[str, str] | None = None) -> Path:
+    """Write a transformers llama/qwen model as GGUF; 2-D weights stored as `qtype` (or as `qtypes` gives for a
+    tensor kind, e.g. {"attn_v": "Q6_K"}, as llama.cpp's mixed formats do), norms as F32."""
     import gguf
 
     cfg = model.config
@@ -77,7 +79,6 @@ def write_gguf(model, path: Path, tokenizer_metadata: dict, arch: str = "llama",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    quant = gguf.GGMLQuantizationType[qtype]
     for name, tensor in model.state_dict().items():
         data = tensor.float().numpy()
         if name == "model.embed_tokens.weight":
@@ -96,8 +97,9 @@ def write_gguf(model, path: Path, tokenizer_metadata: dict, arch: str = "llama",
                 data = llama_cpp_permute(data, cfg.num_attention_heads)
             elif arch == "llama" and module == "self_attn.k_proj":
                 data = llama_cpp_permute(data, cfg.num_key_value_heads)
-        if data.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(out, gguf.quants.quantize(data, quant), raw_dtype=quant)
+        kind = gguf.GGMLQuantizationType[(qtypes or {}).get(out.split(".")[-2], qtype)]
+        if data.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(out, gguf.quants.quantize(data, kind), raw_dtype=kind)
         else:
             w.add_tensor(out, np.ascontiguousarray(data, dtype=np.float32))
     w.write_header_to_file()
