@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from indexpool.kernels import cpu_linear
-from indexpool.kernels.rope import apply_rope, rope_at
+from indexpool.kernels.rope import rope_at
 
 from .llama import LlamaConfig, inverse_frequencies
 
@@ -79,9 +79,14 @@ def rope_average(config: LlamaConfig, distances: tuple[int, int]) -> torch.Tenso
     if not 0 <= lo <= hi:
         raise ValueError(f"distances must be 0 <= lo <= hi, got {distances}")
     cos, sin = rope_at(inverse_frequencies(config), torch.arange(lo, hi + 1))  # (N, 1, D)
-    D = config.head_dim
-    basis = torch.eye(D).view(D, 1, 1, D).expand(D, hi - lo + 1, 1, D)  # row i: e_i at every distance
-    return apply_rope(basis, cos, sin).mean(dim=1)[:, 0]
+    c, s = cos.mean(dim=0)[0], sin.mean(dim=0)[0]  # RoPE is linear in the rotation: the mean turn
+    # rotate-half (`apply_rope`): out[i] = q[i] cos - q[i + h] sin, out[i + h] = q[i + h] cos + q[i] sin, i < h
+    h = config.head_dim // 2
+    first = torch.arange(h)
+    turn = torch.diag(c)
+    turn[first + h, first] = -s[:h]
+    turn[first, first + h] = s[h:]
+    return turn
 
 
 class TrainingFreeIndexer:
