@@ -143,7 +143,8 @@ def kernel_runs(blocks: bool = False) -> bool:
 def takes_blocks(linear) -> bool:
     """Whether a `model.gguf_weights.BlockLinear` can run in the step: every run of its rows on the file's blocks
     in a type the block kernels compute on (F32 and BF16 rows go through torch)."""
-    return all(matrices is not None and matrices.qtype not in (0, 30) for _, matrices, _ in linear.groups)
+    return all(matrices is not None and matrices.qtype not in gguf_blocks.TORCH_TYPES
+               for _, matrices, _ in linear.groups)
 
 
 class DecodeLayers:

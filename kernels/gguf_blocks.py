@@ -42,6 +42,7 @@ TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2),
          10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
          14: ("Q6_K", 256, 210)}
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # rows of plain values, no blocks
+TORCH_TYPES = (0, 30)  # F32 as torch has it; BF16 by cpu_linear's kernel: `linear` leaves these to torch
 K_QUANTS = (10, 11, 12, 13, 14)
 QUANTIZE_SIGNATURE = "pqqq" + "pppp"
 LINEAR_SIGNATURE = "ippppqq" + "ppqqq" + "pqipi"
@@ -349,7 +350,7 @@ def linear(x: torch.Tensor, blocks: torch.Tensor | list[torch.Tensor] | Matrices
     y = torch.empty(rows, matrices.width) if out is None else out
     if y.dtype not in (torch.float32, torch.bfloat16) or y.shape != (rows, matrices.width) or y.stride(1) != 1:
         raise ValueError(f"no fp32 or bf16 rows ({rows}, {matrices.width}) for the outputs: {tuple(y.shape)} {y.dtype}")
-    if qtype in (0, 30):  # F32 as torch has it; BF16 by cpu_linear's kernel
+    if qtype in TORCH_TYPES:
         x32 = flat.float()
         product = torch.cat([F.linear(x32, float_view(part, qtype)) if qtype == 0 or not cpu_linear.kernel_runs()
                              else cpu_linear.linear_bf16(x32, float_view(part, qtype)) for part in matrices.parts], -1)
