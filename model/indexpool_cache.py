@@ -71,7 +71,7 @@ from indexpool.kernels.cpu_attention import native_attention, native_prefill
 
 from .indexers import Indexer
 from .indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes
-from .llama import LlamaConfig, inverse_frequencies
+from .llama import LlamaConfig, inverse_frequencies, zeroed
 
 INDEX_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8_DTYPE}
 KV_STORAGE = ("auto", "bf16", "int8", "full")
@@ -155,10 +155,10 @@ def place_far_tokens(slots: torch.Tensor, ws, n_attended, n_sinks, gap: int) -> 
 
 
 def _allocate(shape: tuple[int, ...], dtype: torch.dtype, directory: str | None, device) -> torch.Tensor:
-    """An uninitialised tensor in memory, or mapped from a file in `directory` (deleted at once: the mapping keeps
-    it alive until the tensor is freed, and nothing is left behind if the process dies)."""
+    """A tensor in memory (`zeroed`), or mapped from a file in `directory` (deleted at once: the mapping keeps it
+    alive until the tensor is freed, and nothing is left behind if the process dies)."""
     if directory is None:
-        return torch.empty(shape, dtype=dtype, device=device)
+        return zeroed(shape, dtype, device)
     numel = math.prod(shape)
     fd, path = tempfile.mkstemp(prefix="indexpool-kv-", suffix=".bin", dir=directory)
     try:
