@@ -8,4 +8,4 @@ for arg do
     [ "$arg" = "-march=native" ] && arg="-march=haswell"
     set -- "$@" "$arg"
 done
-exec "${CC_AVX2_BASE:-cc}" "$@"
+exec cc "$@"
