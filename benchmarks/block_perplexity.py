@@ -3,11 +3,13 @@
 A decode step on the blocks (`--decode-weights gguf`) rounds its activations to int8 blocks of 32 before the
 integer products (kernels/gguf_blocks.c); a prompt read in segments multiplies dequantized weights instead, exactly.
 So the text is fed one token at a time, each token a decode step, and its negative log-likelihood compared with
-the exact model's (`--decode-weights off`: dequantized weights, the text read in prefill segments), and with the
-int4/int8 decode copies the default configuration uses (`--decode-weights auto`), in one run. Dense attention,
-fp32, Python's `pydoc_data.topics` from a fixed offset (as benchmarks/perplexity.py).
+the exact model's (`--decode-weights off`, fp32: dequantized weights, the text read in prefill segments), and with
+the int4/int8 decode copies (`--decode-weights int4`: the default model's own choice in fp32), in one run; the two
+token-by-token paths in `--dtype` (fp32, or bf16 as CPUs with native bf16 run them). Dense attention, Python's
+`pydoc_data.topics` from a fixed offset (as benchmarks/perplexity.py).
 
     .venv/bin/python -m benchmarks.block_perplexity --length 4096
+    .venv/bin/python -m benchmarks.block_perplexity --length 4096 --dtype bf16
 """
 
 from __future__ import annotations
@@ -42,16 +44,19 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--offset", type=int, default=20000)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                        help="the token-by-token paths' dtype (the exact reference stays fp32)")
     args = parser.parse_args()
 
     from indexpool.model.runtime import load_engine
 
     print(machine_description())
     rows = []
-    for label, weights, one_by_one in (("exact (off), prefill", "off", False),
-                                       ("gguf blocks, token by token", "gguf", True),
-                                       ("int4/int8 decode copies (auto), token by token", "auto", True)):
-        loaded = load_engine(args.model, "fp32", decode_weights=weights)
+    for label, dtype, weights, one_by_one in (
+            ("exact (off, fp32), prefill", "fp32", "off", False),
+            (f"gguf blocks ({args.dtype}), token by token", args.dtype, "gguf", True),
+            (f"int4/int8 decode copies ({args.dtype}), token by token", args.dtype, "int4", True)):
+        loaded = load_engine(args.model, dtype, decode_weights=weights)
         ids = natural_text_ids(loaded.tokenizer, args.offset, args.length)
         t0 = time.perf_counter()
         nll = mean_nll(loaded.model, ids, one_by_one)

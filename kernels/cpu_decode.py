@@ -7,9 +7,10 @@ every layer of the step in C instead: RMSNorm, RoPE, the cache writes, SiLU and 
 linear and attention kernels called through their function pointers. Its reference is the model's own layer code
 (`model/llama.py`), which the tests compare it with.
 
-Takes: an fp32 model whose linear layers all have C-kernel decode copies (`model.quant`) or compute on the GGUF
-file's blocks (`model.gguf_weights`, every run of matrices in a type the block kernels take), no q/k norm, a dense
-cache of one sequence in fp32 or bf16 that the attention kernel reads. Built on first use like the other
+Takes: an fp32 model whose linear layers all have C-kernel decode copies (`model.quant`), or an fp32 or bf16 model
+whose linear layers all compute on the GGUF file's blocks (`model.gguf_weights`, every run of matrices in a type the
+block kernels take; a bf16 model's hidden state, norms, biases and RoPE row widened to fp32 for the step), no q/k
+norm, a dense cache of one sequence in fp32 or bf16 that the attention kernel reads. Built on first use like the other
 kernels (`kernels.native_build`); INDEXPOOL_KERNELS=torch turns it off with them.
 """
 
@@ -177,7 +178,9 @@ class DecodeLayers:
         else:
             if not takes_blocks(linear):
                 raise ValueError("decode_layers takes linears on the file's blocks in the block kernels' types")
-            scales, bias, bits, in_features = None, linear.bias, 0, linear.in_features
+            # a bf16 model's bias as the step adds it, in fp32
+            bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+            scales, bits, in_features = None, 0, linear.in_features
             table = (BlockRun * len(linear.groups))()
             for run, (_, matrices, _) in zip(table, linear.groups):
                 run.parts, run.part_rows = ctypes.addressof(matrices.pointers), ctypes.addressof(matrices.part_rows)

@@ -321,18 +321,26 @@ class Transformer(nn.Module):
         cache.begin(start, tokens.shape[1])
         x = self.tok_embeddings(tokens)
         if tokens.shape == (1, 1) and type(cache) is KVCache and self._decodes_in_c(cache, x):
-            self._decode_layers(x.view(-1), start, cache.rope_cos[start], cache.rope_sin[start], cache.k, cache.v)
+            # the step works in fp32: a bf16 model's embedding row and RoPE row are widened. Its output stays fp32
+            # for a head on blocks, which then writes fp32 logits: rounding it to bf16 and the logits back would be
+            # a torch parallel region, whose threads spin on after it and slowed the next step's C threads by 12%
+            # (1B shape on blocks, bf16, 2 threads, AMX)
+            h = x.view(-1).float()
+            self._decode_layers(h, start, cache.rope_cos[start].float(), cache.rope_sin[start].float(), cache.k,
+                                cache.v)
+            fp32_head = isinstance(self.output, BlockLinear) and cpu_decode.takes_blocks(self.output)
+            x = h.view(x.shape) if fp32_head else h.view(x.shape).to(x.dtype)
         else:
             for layer in self.layers:
                 x = layer(x, cache)
         if not all_logits:
             x = x[:, -1:]
-        return self.output(F.rms_norm(x, (x.shape[-1],), self.norm, self.config.norm_eps)).float()
+        return self.output(F.rms_norm(x, (x.shape[-1],), self.norm.to(x.dtype), self.config.norm_eps)).float()
 
     def _decodes_in_c(self, cache: KVCache, x: torch.Tensor) -> bool:
         """Whether this one-token step of one sequence over a dense cache runs all its layers in one C call
-        (`kernels.cpu_decode`): an fp32 model whose linears all have C decode copies or all lie in GGUF blocks, a
-        cache the attention kernel reads, no autograd."""
+        (`kernels.cpu_decode`): an fp32 model whose linears all have C decode copies, or an fp32 or bf16 model whose
+        linears all lie in GGUF blocks, a cache the attention kernel reads, no autograd."""
         if self._decode_layers is False:
             self._decode_layers = self._decode_table()
         return (self._decode_layers is not None and not x.requires_grad
@@ -354,15 +362,19 @@ class Transformer(nn.Module):
     def _not_in_c(self) -> str | None:
         """Why this model's decode steps cannot run in one C call (INDEXPOOL_KERNELS aside: read per step), or
         None."""
-        if self.dtype != torch.float32 or self.device.type != "cpu":
-            return "an fp32 model on a CPU only"
+        if self.dtype not in (torch.float32, torch.bfloat16) or self.device.type != "cpu":
+            return "an fp32 or bf16 model on a CPU only"
         if self.config.qk_norm:
             return "the C step has no q/k norm"
         linears = [m for block in self.layers for m in block.linears()]
-        if all(isinstance(m, DecodeQuantLinear) and m.native for m in linears):
+        # a bf16 model's step too: the block kernels take its rows as they lie and the step works in fp32 within
+        # (a bf16 model's decode copies are torch's layouts, which the C step does not read)
+        if self.dtype == torch.float32 and all(isinstance(m, DecodeQuantLinear) and m.native for m in linears):
             return cpu_decode.unavailable()
         if all(isinstance(m, BlockLinear) and cpu_decode.takes_blocks(m) for m in linears):
             return cpu_decode.unavailable(blocks=True)
+        if self.dtype == torch.bfloat16:
+            return "a bf16 model's linears are not all in GGUF blocks the C step takes"
         return "the linears have neither C decode copies nor all their weights in GGUF blocks the C step takes"
 
     def decode_step_path(self) -> str:

@@ -69,8 +69,10 @@ def keep_freed_memory() -> bool:
 
 DECODE_WEIGHTS = ("auto", "gguf", "int4", "int8", "off")
 # auto: a GGUF model with at least this many weights computes on the file's own blocks (`model.gguf_weights`):
-# a dequantized copy of a 1B model took 10 GB here. Smaller ones (the default model, 135M) keep the dequantized
-# weights and their decode copies, whose fused C decode step is faster at that size (docs/benchmarks.md).
+# a dequantized copy of a 1B model took 10 GB here. Smaller ones (the default model, 135M) do too in bf16, where the
+# decode copies are PyTorch's kernels called layer by layer and the blocks' one-call C step decoded 3x as fast
+# (AMX); in fp32 they keep the dequantized weights and their decode copies, whose one-call step costs less
+# perplexity and keeps a batch of questions' answers those of each one alone (docs/benchmarks.md).
 BLOCKS_MIN_WEIGHTS = 500_000_000
 
 
@@ -85,9 +87,9 @@ def decode_bits(choice: str, source_bits_per_weight: float) -> int | None:
     return {"int4": 4, "int8": 8, "off": None, "gguf": None}[choice]
 
 
-def on_blocks(choice: str, path: Path, device: str) -> bool:
+def on_blocks(choice: str, path: Path, device: str, dtype: torch.dtype) -> bool:
     """Whether a model computes on its GGUF file's blocks: --decode-weights gguf (a GGUF file on the CPU), or auto
-    for a llama-family GGUF model of at least BLOCKS_MIN_WEIGHTS weights on the CPU."""
+    for a llama-family GGUF model on the CPU in bf16, or in fp32 from BLOCKS_MIN_WEIGHTS weights."""
     from .errors import SettingsError
     from .gguf_file import read_gguf
     from .loader import GGUF_ARCHS
@@ -103,14 +105,14 @@ def on_blocks(choice: str, path: Path, device: str) -> bool:
     import math
 
     weights = sum(math.prod(info.shape) for info in g.tensors.values())
-    return choice == "gguf" or weights >= BLOCKS_MIN_WEIGHTS
+    return choice == "gguf" or dtype == torch.bfloat16 or weights >= BLOCKS_MIN_WEIGHTS
 
 
 def load_engine(model: str | os.PathLike | None, dtype: str = "auto", device: str | None = None, decode_weights: str = "auto") -> LoadedModel:
-    """Load a model for generation. A GGUF model of 500M weights or more (or any, with `decode_weights` "gguf")
-    computes on the file's own blocks, memory-mapped (`on_blocks`). Otherwise a bf16 model on the CPU decodes with
-    quantized weight copies unless `decode_weights` is "off", and so does an fp32 one where the C kernels of
-    kernels/cpu_linear.c build. The
+    """Load a model for generation. A GGUF model on the CPU in bf16, or in fp32 of 500M weights or more (or any,
+    with `decode_weights` "gguf") computes on the file's own blocks, memory-mapped (`on_blocks`). Otherwise a bf16
+    model on the CPU decodes with quantized weight copies unless `decode_weights` is "off", and so does an fp32 one
+    where the C kernels of kernels/cpu_linear.c build. The
     output layer stays int8: GGUF files keep it at 8 bits or more (the default model's tied embedding is Q8_0), as
     the matrix whose rounding reaches the logits directly.
 
@@ -123,7 +125,7 @@ def load_engine(model: str | os.PathLike | None, dtype: str = "auto", device: st
     torch_dtype = resolve_dtype(dtype, device)
     decode_bits(decode_weights, 16)  # validate before the slow load
     path = model_path(model)
-    if on_blocks(decode_weights, path, device):
+    if on_blocks(decode_weights, path, device, torch_dtype):
         return load_model(path, torch_dtype, device, blocks=True)
     store = None
     if path.is_file() and os.environ.get("INDEXPOOL_PREPARED_WEIGHTS", "1") != "0":

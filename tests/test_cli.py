@@ -205,11 +205,13 @@ def test_info_json(default_gguf_metadata):
     assert facts["kv_cache_dtype"] == ("bfloat16" if bf16_cache else "float32")
     # K and V, 30 layers, 3 KV heads of 64, 2 bytes each in bf16 (4 in fp32).
     assert facts["kv_cache_bytes_per_token"] == 2 * 30 * 3 * 64 * (2 if bf16_cache else 4)
-    # an fp32 model with C decode copies and a cache the C attention reads decodes all its layers in one C call
+    # the default model decodes all its layers in one C call where the C attention reads its cache: in bf16 on the
+    # file's blocks, in fp32 with C decode copies
     from indexpool.kernels import cpu_decode, cpu_linear
 
     cache_dtype = torch.bfloat16 if bf16_cache else torch.float32
-    in_c = not bf16 and cpu_linear.kernel_runs() and cpu_decode.kernel_runs() and native_attention_takes(cache_dtype, 64)
+    kernels = cpu_decode.kernel_runs(blocks=True) if bf16 else cpu_linear.kernel_runs() and cpu_decode.kernel_runs()
+    in_c = kernels and native_attention_takes(cache_dtype, 64)
     assert facts["decode_step"].startswith("all layers in one call" if in_c else "per layer")
     assert isinstance(facts["threads"], int) and facts["threads"] >= 1
     # Every weight of the file, the tied embedding counted once (the file stores it once).

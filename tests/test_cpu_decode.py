@@ -159,18 +159,23 @@ BLOCK_LAYOUTS = {
 
 
 @pytest.fixture(scope="module", params=list(BLOCK_LAYOUTS))
-def block_model(request, tmp_path_factory, default_gguf_metadata):
+def block_file(request, tmp_path_factory, default_gguf_metadata):
     from indexpool.kernels import gguf_blocks
-    from indexpool.model.loader import load_model
     from tests.tiny_models import make_hf_model, write_gguf
 
     if gguf_blocks.native_library()[0] is None:
         pytest.skip(f"the GGUF block kernels do not build here: {gguf_blocks.native_library()[1]}")
     family, dims, qtype, qtypes = BLOCK_LAYOUTS[request.param]
     hf = make_hf_model(family, 49152, **{"hidden_size": 128, "intermediate_size": 96, **dims})
-    path = write_gguf(hf, tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf", default_gguf_metadata,
+    return write_gguf(hf, tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf", default_gguf_metadata,
                       arch=family, qtype=qtype, qtypes=qtypes)
-    return load_model(path, torch.float32, blocks=True).model
+
+
+@pytest.fixture(scope="module")
+def block_model(block_file):
+    from indexpool.model.loader import load_model
+
+    return load_model(block_file, torch.float32, blocks=True).model
 
 
 def test_a_step_on_gguf_blocks_matches_the_layer_code(one_thread, block_model):
@@ -188,6 +193,49 @@ def test_a_step_on_gguf_blocks_matches_the_layer_code(one_thread, block_model):
     assert (c_logits - py_logits).abs().max() <= 0.01 * py_logits.abs().max()
     for c, py in ((c_cache.k, py_cache.k), (c_cache.v, py_cache.v)):
         assert (c[:, :, :, :43] - py[:, :, :, :43]).abs().max() <= 0.01 * py[:, :, :, :43].abs().max()
+
+
+def test_a_bf16_model_on_gguf_blocks_steps_in_c(one_thread, block_file):
+    """A bf16 model on blocks (the engine's choice where bf16 is native) runs its steps in C too, in fp32 within:
+    its embedding row, norms, bias and RoPE row widened, its bf16 cache written and read. The reference is the fp32
+    layer code with the same weights (the bf16 model's norms and biases), reading a copy of the same cache: what
+    differs is the rounding of the embedding row and RoPE to bf16 (2^-9 relative), which as in the fp32 test above
+    moves an activation's int8 level by one at most, so the same bound; a part wired wrong (a bias or norm read
+    unwidened, the cache written as fp32) would be off by the size of its outputs."""
+    from indexpool.model.loader import load_model
+
+    needs_kernels()
+    if not cpu_attention.native_attention_takes(torch.bfloat16, 32):
+        pytest.skip("the C decode attention kernel does not read bf16 caches here (no AVX512-BF16)")
+    model = load_model(block_file, torch.bfloat16, blocks=True).model
+    reference = load_model(block_file, torch.float32, blocks=True).model
+    with torch.no_grad():
+        for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            theirs.copy_(ours.float())
+    reference._decode_layers = None  # the layer code
+    assert model._decode_table() is not None, model._not_in_c()
+    prompt = torch.randint(0, 49152, (1, 37), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 49152, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.inference_mode():
+        cache = model.new_cache(49)
+        model(prompt, 0, cache)
+        reference.cache_dtype = torch.bfloat16
+        reference_cache = reference.new_cache(49)
+        reference_cache.k.copy_(cache.k)
+        reference_cache.v.copy_(cache.v)
+        assert model._decodes_in_c(cache, torch.zeros(1)) and cache.k.dtype == torch.bfloat16
+        c_logits = torch.stack([model(torch.tensor([[t]]), 37 + i, cache)[0, 0] for i, t in enumerate(tokens)])
+        py_logits = torch.stack([reference(torch.tensor([[t]]), 37 + i, reference_cache)[0, 0]
+                                 for i, t in enumerate(tokens)])
+    apart = (c_logits - py_logits).abs().max()
+    assert apart <= 0.01 * py_logits.abs().max()
+    # the same greedy token wherever the reference's best two are further apart than the paths' difference can
+    # reach (a random model's 49,152 logits are often within a hundredth of each other)
+    best_two = py_logits.topk(2, dim=-1).values
+    clear = best_two[:, 0] - best_two[:, 1] > 2 * apart
+    assert clear.sum() >= 3 and torch.equal(c_logits.argmax(-1)[clear], py_logits.argmax(-1)[clear])
+    for c, py in ((cache.k, reference_cache.k), (cache.v, reference_cache.v)):
+        assert (c.float() - py.float()).abs().max() <= 0.01 * py.float().abs().max()
 
 
 @pytest.mark.parametrize("threads", [2, 3])

@@ -10,7 +10,7 @@ import torch
 from indexpool.kernels.cpu_attention import native_attention_takes
 from indexpool.model.generate import GenerationStats, Sampler, SamplingParams, Session
 from indexpool.model.quant import DecodeQuantLinear
-from indexpool.model.runtime import cpu_has_bf16, load_engine, resolve_dtype
+from indexpool.model.runtime import load_engine
 
 PROMPT = "The capital of France is"
 
@@ -23,9 +23,9 @@ def engine():
 
 @pytest.fixture(scope="module")
 def bf16_engine():
-    # "bf16" explicitly, so the bf16 + quantized decode path is exercised on any CPU; on a CPU with native bf16 this is
-    # exactly what load_engine(None) gives (checked in the test).
-    return load_engine(None, "bf16")
+    # "bf16" and int4 decode copies explicitly (a bf16 model on the CPU computes on the file's blocks by default), so
+    # the bf16 + quantized decode path is exercised on any CPU.
+    return load_engine(None, "bf16", decode_weights="int4")
 
 
 def greedy() -> Sampler:
@@ -226,8 +226,6 @@ def test_context_full(engine):
 
 
 def test_bf16_quantized_decode_agrees_with_fp32_on_a_short_prefix(engine, bf16_engine):
-    if cpu_has_bf16():
-        assert resolve_dtype("auto", "cpu") == torch.bfloat16  # load_engine(None) is this very configuration
     assert bf16_engine.model.dtype == torch.bfloat16
     layers = [m for m in bf16_engine.model.modules() if isinstance(m, DecodeQuantLinear)]
     assert len(layers) == 4 * bf16_engine.config.n_layers + 1  # qkv, o, gate/up, down per layer; output
@@ -261,10 +259,12 @@ def test_fp32_quantized_decode_agrees_with_fp32_on_a_short_prefix(engine):
 
 
 def test_an_fp32_model_reads_and_decodes_with_a_bf16_cache(engine):
-    """An fp32 model with a bf16 dense cache: a prompt read in two forwards (the second widening the cache it
-    attends to, under a mask) gives the logits of one forward, and those of an fp32 cache up to the rounding of
-    K/V to bf16 (2^-9 relative, through 30 layers: measured, a mean change of 0.025 and at most 0.23 in logits up
-    to 39, and the same greedy tokens)."""
+    """An fp32 model with a bf16 dense cache: a prompt read in one forward, or in two (the second widening the
+    cache it attends to, under a mask), gives the logits of an fp32 cache up to the rounding of K/V to bf16 (2^-9
+    relative, through 30 layers: measured, a mean change of 0.025 and at most 0.23 in logits up to 39, and the same
+    greedy tokens). The two readings agree exactly where the fp32 matmuls give the same bits for 49 rows as for
+    145; MKL on an AMX Xeon does not (layer 1's keys 3e-6 apart), and a key that close to a bf16 rounding midpoint
+    rounds the other way, so there the two agree only as each agrees with the fp32 cache."""
     if not native_attention_takes(torch.bfloat16, engine.config.head_dim):
         pytest.skip("an fp32 model keeps a bf16 cache only where the C decode-attention kernel reads one, which it "
                     "does not on this CPU (AVX-512 without AVX512-BF16)")
@@ -286,11 +286,11 @@ def test_an_fp32_model_reads_and_decodes_with_a_bf16_cache(engine):
 
     whole = [(0, len(prompt))]
     two = [(0, split), (split, len(prompt))]
-    bf16_two, bf16_whole, fp32 = logits(torch.bfloat16, two), logits(torch.bfloat16, whole), logits(None, whole)
-    torch.testing.assert_close(bf16_two, bf16_whole, atol=1e-4, rtol=0)
-    change = (bf16_whole - fp32).abs()
-    assert change.mean().item() < 0.05 and change.max().item() < 0.01 * fp32.abs().max().item()
-    assert torch.equal(bf16_whole.argmax(-1)[-8:], fp32.argmax(-1)[-8:])
+    fp32 = logits(None, whole)
+    for bf16 in (logits(torch.bfloat16, whole), logits(torch.bfloat16, two)):
+        change = (bf16 - fp32).abs()
+        assert change.mean().item() < 0.05 and change.max().item() < 0.01 * fp32.abs().max().item()
+        assert torch.equal(bf16.argmax(-1)[-8:], fp32.argmax(-1)[-8:])
 
 
 def _agrees_on_a_short_prefix(model, engine) -> bool:

@@ -18,6 +18,7 @@ from indexpool.model.indexpool import PooledIndexCache, indexer_source_layers, l
 from indexpool.model.indexpool_cache import INDEX_DTYPES, IndexPoolCache, IndexPoolConfig, place_far_tokens
 from indexpool.model.lightning_indexer import LightningIndexer, LightningIndexerConfig, ModelFingerprint
 from indexpool.kernels.rope import apply_rope, rope_at
+from indexpool.kernels.cpu_attention import native_attention_takes
 from indexpool.model.llama import LlamaConfig, Transformer, inverse_frequencies
 
 CONFIG = LlamaConfig(vocab_size=97, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
@@ -316,10 +317,12 @@ def test_int8_history_stays_close():
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_an_fp32_models_bf16_history_stays_close(monkeypatch, backend):
     """An fp32 model on a CPU keeps its "bf16" (and, below a quarter of RAM, "auto") history in bf16: half the
-    bytes of "full". Each stored key and value is rounded to bf16 (2^-9 relative; the C kernel rounds the far
-    part's queries too, as a bf16 model's): about 4x finer than int8's per-head steps (test above), so the bound
-    where both attend to the same tokens is a fortieth of the logits' +-2 span, 0.05 (measured: 0.024 through the
-    C kernel, 0.013 through the torch path)."""
+    bytes of "full". Each stored key and value is rounded to bf16 (2^-9 relative): about 4x finer than int8's
+    per-head steps (test above), so through the torch path, which keeps the queries in fp32, the bound where both
+    attend to the same tokens is a fortieth of the logits' +-2 span, 0.05 (measured 0.013). The C kernel, where it
+    reads bf16 (AVX512-BF16), reads the history as a bf16 model's: it rounds the far part's queries and softmax
+    weights to bf16 too, three roundings more, and its deviation is the int8 history's, so is its bound (measured
+    on a Xeon with AMX: at most 0.055, where int8 gave 0.067 on the same prompts; --kv-storage full keeps fp32)."""
     use_kernels(monkeypatch, backend)
     model = tiny_model(5, replace(CONFIG, head_dim=32))  # a head size the C kernel takes
     prompts = prompts_for(9, [77, 100, 130, 161])
@@ -343,10 +346,11 @@ def test_an_fp32_models_bf16_history_stays_close(monkeypatch, backend):
     assert rounded_cache.bytes_per_token()["history_kv"] * 2 == full_cache.bytes_per_token()["history_kv"]
     same = [all(map(torch.equal, a, b)) for a, b in zip(full_selections, rounded_selections)]
     assert sum(same) >= len(same) - 2
+    kernel_reads_bf16 = backend == "auto" and native_attention_takes(torch.bfloat16, 32)
     for a, b, agree in zip(full, rounded, same):
         assert not torch.equal(a, b)
         if agree:
-            assert (a - b).abs().max() < 0.05
+            assert (a - b).abs().max() < (0.1 if kernel_reads_bf16 else 0.05)
 
 
 @pytest.mark.parametrize("kv_storage, index_dtype", [("bf16", "bf16"), ("int8", "fp8")])

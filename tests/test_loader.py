@@ -154,13 +154,14 @@ def test_directory_without_config(tmp_path):
 
 def test_prepared_weights_cache_gives_the_same_model(tmp_path, monkeypatch):
     """The second load reads the prepared weights (dequantized + decode copies) back: every parameter and buffer
-    equal, so the same logits, prefill (bf16 weights) and decode (int4/int8 copies) alike."""
+    equal, so the same logits, prefill (bf16 weights) and decode (int4/int8 copies) alike. (int4 named: a bf16
+    model computes on the file's blocks by default, which need no prepared weights.)"""
     from indexpool.model.runtime import load_engine
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    built = load_engine(None)
+    built = load_engine(None, decode_weights="int4")
     (entry,) = (tmp_path / "indexpool" / "models").glob("*.safetensors")
-    restored = load_engine(None)
+    restored = load_engine(None, decode_weights="int4")
     built_state = dict(built.model.named_parameters()) | dict(built.model.named_buffers())
     restored_state = dict(restored.model.named_parameters()) | dict(restored.model.named_buffers())
     assert built_state.keys() == restored_state.keys()
@@ -171,7 +172,7 @@ def test_prepared_weights_cache_gives_the_same_model(tmp_path, monkeypatch):
         b = restored.model(tokens[:, :length], 0, restored.model.new_cache(16))
         assert torch.equal(a, b)
     entry.write_bytes(entry.read_bytes()[:1000])  # damaged: rebuilt, not trusted
-    again = load_engine(None)
+    again = load_engine(None, decode_weights="int4")
     assert torch.equal(again.model.tok_embeddings.weight, built.model.tok_embeddings.weight)
     assert any("prepared weights: cache entry" in note and "unusable" in note for note in again.model.load_notes)
 
@@ -204,9 +205,9 @@ def test_a_model_on_its_gguf_blocks_is_the_dequantized_model(tmp_path, default_g
 
 def test_the_engine_chooses_the_blocks_for_large_gguf_models(tmp_path, default_gguf_metadata, reference_tokenizer,
                                                             monkeypatch):
-    """--decode-weights auto: blocks from BLOCKS_MIN_WEIGHTS weights on (here lowered to the tiny model's size),
-    dequantized weights below; gguf: always, for a GGUF file; a Hugging Face directory has no blocks: a usage
-    error."""
+    """--decode-weights auto: in fp32, blocks from BLOCKS_MIN_WEIGHTS weights on (here lowered to the tiny model's
+    size), dequantized weights below; in bf16, blocks at any size; gguf: always, for a GGUF file; a Hugging Face
+    directory has no blocks: a usage error."""
     from indexpool.model import runtime
     from indexpool.model.errors import SettingsError
     from indexpool.model.gguf_weights import block_parts
@@ -216,6 +217,8 @@ def test_the_engine_chooses_the_blocks_for_large_gguf_models(tmp_path, default_g
     monkeypatch.setenv("INDEXPOOL_PREPARED_WEIGHTS", "0")
     assert not block_parts(runtime.load_engine(str(path), "fp32").model)
     assert block_parts(runtime.load_engine(str(path), "fp32", decode_weights="gguf").model)
+    assert block_parts(runtime.load_engine(str(path), "bf16").model)
+    assert not block_parts(runtime.load_engine(str(path), "bf16", decode_weights="int4").model)
     monkeypatch.setattr(runtime, "BLOCKS_MIN_WEIGHTS", sum(p.numel() for p in hf.parameters()))
     assert block_parts(runtime.load_engine(str(path), "fp32").model)
     directory = save_hf_dir(hf, reference_tokenizer, tmp_path / "hf")
