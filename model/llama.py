@@ -294,6 +294,7 @@ class Transformer(nn.Module):
         self._rope_length = 0  # RoPE tables grow to the longest cache asked for, not the config's context (128K: 64+ MiB)
         self.cache_dtype: torch.dtype | None = None  # the dense K/V cache's dtype, when not the model's (`new_cache`)
         self._decode_layers: cpu_decode.DecodeLayers | None | bool = False  # False: not looked at yet
+        self._head_on_blocks = False  # the output layer takes the C step's fp32 output as it is (set with the table)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -328,8 +329,7 @@ class Transformer(nn.Module):
             h = x.view(-1).float()
             self._decode_layers(h, start, cache.rope_cos[start].float(), cache.rope_sin[start].float(), cache.k,
                                 cache.v)
-            fp32_head = isinstance(self.output, BlockLinear) and cpu_decode.takes_blocks(self.output)
-            x = h.view(x.shape) if fp32_head else h.view(x.shape).to(x.dtype)
+            x = h.view(x.shape) if self._head_on_blocks else h.view(x.shape).to(x.dtype)
         else:
             for layer in self.layers:
                 x = layer(x, cache)
@@ -343,6 +343,7 @@ class Transformer(nn.Module):
         linears all lie in GGUF blocks, a cache the attention kernel reads, no autograd."""
         if self._decode_layers is False:
             self._decode_layers = self._decode_table()
+            self._head_on_blocks = isinstance(self.output, BlockLinear) and cpu_decode.takes_blocks(self.output)
         return (self._decode_layers is not None and not x.requires_grad
                 and cache.k.shape[1] == 1 and native_attention_takes(cache.k.dtype, self.config.head_dim)
                 and not torch_forced())
@@ -367,14 +368,12 @@ class Transformer(nn.Module):
         if self.config.qk_norm:
             return "the C step has no q/k norm"
         linears = [m for block in self.layers for m in block.linears()]
-        # a bf16 model's step too: the block kernels take its rows as they lie and the step works in fp32 within
-        # (a bf16 model's decode copies are torch's layouts, which the C step does not read)
-        if self.dtype == torch.float32 and all(isinstance(m, DecodeQuantLinear) and m.native for m in linears):
+        # C decode copies are an fp32 model's (`native`; a bf16 model's are torch's layouts); the block kernels take
+        # a bf16 model's rows as they lie too, the step working in fp32 within
+        if all(isinstance(m, DecodeQuantLinear) and m.native for m in linears):
             return cpu_decode.unavailable()
         if all(isinstance(m, BlockLinear) and cpu_decode.takes_blocks(m) for m in linears):
             return cpu_decode.unavailable(blocks=True)
-        if self.dtype == torch.bfloat16:
-            return "a bf16 model's linears are not all in GGUF blocks the C step takes"
         return "the linears have neither C decode copies nor all their weights in GGUF blocks the C step takes"
 
     def decode_step_path(self) -> str:
