@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import add_schedule_option, machine_description, natural_text
 from indexpool.model.generate import Session
+from indexpool.model.indexers import TrainingFreeIndexer
 from indexpool.model.indexpool_cache import IndexPoolConfig
 from indexpool.model.sessions import SessionOptions, default_indexer, describe_indexers, segment_indexer
 from indexpool.model.runtime import load_engine, set_threads
@@ -69,6 +70,9 @@ def main() -> None:
                         default=[IndexPoolConfig.sink_distance],
                         help="IndexPool sink distances to compare, a row each (e.g. 4096,0; 0: the sinks right "
                              "before the far tokens)")
+    parser.add_argument("--query-topks", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[IndexPoolConfig.query_topk],
+                        help="far tokens per query of the decode steps to compare, a row each (e.g. 512,1024)")
     add_schedule_option(parser)
     parser.add_argument("--segment-block", type=int, default=IndexPoolConfig.segment_block,
                         help="queries of a prefill segment sharing one far selection (default: the engine's)")
@@ -77,20 +81,24 @@ def main() -> None:
     print(machine_description())
     loaded = load_engine(args.model)
     settings = [IndexPoolConfig(topk=args.topk, window=args.window, segment=args.segment, sink_distance=distance,
-                                segment_block=args.segment_block, schedule=args.schedule)
-                for distance in args.sink_distances]
+                                segment_block=args.segment_block, schedule=args.schedule, query_topk=query_topk)
+                for distance in args.sink_distances for query_topk in args.query_topks]
     choice = SessionOptions(indexer=args.indexer, prune_index=args.prune_index)
     indexer, for_segments = default_indexer(choice, loaded), segment_indexer(choice, loaded)
     first_scored = settings[0].sinks + settings[0].topk + settings[0].window + settings[0].kpool
     print(f"model {loaded.name}, indexer {describe_indexers(indexer, for_segments)}; scored: tokens from {first_scored} on; threads {torch.get_num_threads()}")
-    print(f"{'length':>7} {'scored':>6} {'sink distance':>13} {'dense ppl':>9} {'indexpool ppl':>13} {'change':>7}")
+    print(f"{'length':>7} {'scored':>6} {'sink distance':>13} {'query topk':>10} {'dense ppl':>9} {'indexpool ppl':>13} "
+          f"{'change':>7}")
     for length in args.lengths:
         ids = natural_text_ids(loaded.tokenizer, args.offset, length)
         dense, _, n = nll(Session(loaded.model, length), ids, first_scored, args.decode)
         for config in settings:
+            if isinstance(indexer, TrainingFreeIndexer):  # its queries are turned for the distances read at
+                indexer.read_at(config.far_distances())
             session = Session(loaded.model, length, attention=config, indexer=indexer, segment_indexer=for_segments)
             sparse, _, _ = nll(session, ids, first_scored, args.decode)
-            print(f"{length:>7} {n:>6} {config.sink_distance:>13} {math.exp(dense):>9.3f} {math.exp(sparse):>13.3f} "
+            print(f"{length:>7} {n:>6} {config.sink_distance:>13} {config.query_topk:>10} {math.exp(dense):>9.3f} "
+                  f"{math.exp(sparse):>13.3f} "
                   f"{100 * (math.exp(sparse - dense) - 1):>+6.1f}%", flush=True)
 
 

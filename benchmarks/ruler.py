@@ -32,7 +32,8 @@ before (IndexPool's segments, and so its selections, then start elsewhere: score
 
 `--haystack FILE` draws the samples from that text (save `common.natural_haystack()` to a file to draw the same
 ones on another machine); `--topk` sets IndexPool's far tokens per query, `--query-topk` those of the question's
-and the answer's queries; `--json` is rewritten after every row.
+and the answer's queries, `--question-pools` the question's pools kept for them; `--json` is rewritten after every
+row.
 
 Prints the machine, then one row per (task, length, reader): score, samples, seconds per sample and the tokens a
 sample read (what its prompt did not share with the one before); then each reader's average over the tasks per
@@ -59,6 +60,7 @@ import torch
 
 from benchmarks.common import chat_frame, greedy_answer, machine_description, natural_haystack
 from indexpool.model.generate import Session
+from indexpool.model.indexers import TrainingFreeIndexer
 from indexpool.model.indexpool_cache import IndexPoolConfig
 from indexpool.model.runtime import load_engine, set_threads
 from indexpool.model.tensor_cache import write_atomically
@@ -351,6 +353,55 @@ def open_reader(reader: str, loaded, capacity: int, indexer, for_segments, setti
     return Session(loaded.model, capacity, attention=IndexPoolConfig(topk=0), indexer=indexer)
 
 
+QUESTION_SETTINGS = ("question_pools", "query_topk")  # what `--question-variants` may set: short forwards only
+
+
+def question_variants(text: str) -> list[dict[str, int]]:
+    """'question_pools=0,query_topk=1024;question_pools=2' -> [{...}, {...}] (argparse type)."""
+    variants = []
+    for group in text.split(";"):
+        settings = {}
+        for item in group.split(","):
+            name, _, value = item.partition("=")
+            if name.strip() not in QUESTION_SETTINGS or not value.strip().isdigit():
+                raise argparse.ArgumentTypeError(f"{item!r}: expected NAME=NUMBER with NAME one of "
+                                                 f"{', '.join(QUESTION_SETTINGS)}")
+            settings[name.strip()] = int(value)
+        variants.append(settings)
+    return variants
+
+
+def variant_name(settings: dict[str, int]) -> str:
+    return "indexpool[" + ",".join(f"{k}={v}" for k, v in settings.items()) + "]"
+
+
+def answer_under(session: Session, sample: Sample, settings: IndexPoolConfig, max_new_tokens: int, stop_ids,
+                 label: str):
+    """`greedy_answer` with the question and the answer read under `settings` (they differ from the session's
+    in what short forwards do only), after the rest of the prompt, read as `Session.prefill` reads it: by the
+    first variant of a sample; the others find it held and read the question only (the indexer's query turned
+    for their query_topk). The tokens read count the rest of the prompt where it was read."""
+    cache, prompt = session.cache, sample.prompt
+    kpool = cache.settings.kpool
+    question_start = -(-(len(prompt) - cache.settings.query_tokens) // kpool) * kpool  # as `Session.prefill` splits
+    document_read = 0
+    if session.tokens[:question_start] != prompt[:question_start]:
+        session.prefill(prompt[:question_start], query_tail=False)
+        document_read = session.last_fed_tokens
+    session.tokens = session.tokens[: cache.truncate(question_start)]
+    saved = cache.settings
+    cache.settings = settings
+    if isinstance(cache.indexer, TrainingFreeIndexer):
+        cache.indexer.read_at(settings.far_distances())
+    try:
+        out, stats, fed = greedy_answer(session, prompt, max_new_tokens, label, stop_ids=stop_ids)
+        return out, stats, document_read + fed
+    finally:
+        cache.settings = saved
+        if isinstance(cache.indexer, TrainingFreeIndexer):
+            cache.indexer.read_at(saved.far_distances())
+
+
 def run(args) -> None:
     set_threads(args.threads)
     machine = machine_description()
@@ -358,16 +409,18 @@ def run(args) -> None:
     loaded = load_engine(args.model, dtype=args.dtype)
     tokenizer = loaded.tokenizer
     settings = SessionOptions().indexpool
-    asked = {name: value for name, value in (("topk", args.topk), ("query_topk", args.query_topk)) if value is not None}
+    asked = {name: value for name, value in (("topk", args.topk), ("query_topk", args.query_topk),
+                                             ("question_pools", args.question_pools)) if value is not None}
     options = SessionOptions(indexpool=dataclasses.replace(settings, **asked))
     indexer, for_segments = default_indexer(options, loaded), segment_indexer(options, loaded)
     haystack = Haystack(Path(args.haystack).read_text() if args.haystack else None)
     generator = Generator(tokenizer, haystack)
     context = loaded.config.context_length
     topk, query_topk = options.indexpool.topk, options.indexpool.short_topk()
+    question_pools = options.indexpool.question_pools
     print(f"model {loaded.name} ({context} context), indexer {describe_indexers(indexer, for_segments)}, "
-          f"topk {topk}, query topk {query_topk}, threads {torch.get_num_threads()}, seed {args.seed}",
-          flush=True)
+          f"topk {topk}, query topk {query_topk}, question pools {question_pools}, threads {torch.get_num_threads()}, "
+          f"seed {args.seed}", flush=True)
     print(f"{'task':<16} {'length':>7} {'reader':>9} {'score':>6} {'samples':>7} {'s/sample':>8} {'read/sample':>11}",
           flush=True)
     rows, averages = [], []
@@ -375,7 +428,7 @@ def run(args) -> None:
     def save() -> None:
         report = {"machine": machine, "model": loaded.name, "context": context,
                   "indexer": describe_indexers(indexer, for_segments), "seed": args.seed,
-                  "topk": topk, "query_topk": query_topk,
+                  "topk": topk, "query_topk": query_topk, "question_pools": question_pools,
                   "max_new_tokens": MAX_NEW_TOKENS, "rows": rows, "averages": averages}
         write_atomically(Path(args.json), json.dumps(report, indent=1).encode())
 
@@ -386,39 +439,51 @@ def run(args) -> None:
             print(f"  generated {length}-token samples in {time.perf_counter() - t0:.1f} s", flush=True)
         longest = max(len(s.prompt) + MAX_NEW_TOKENS[s.task] for task in samples.values() for s in task)
         for reader in args.readers:
+            variants = [(reader, None)]
+            if reader == "indexpool" and args.question_variants:
+                variants += [(variant_name(v), dataclasses.replace(options.indexpool, **v)) for v in args.question_variants]
             if reader == "dense" and longest > context:
                 print(f"{'(all)':<16} {length:>7} {reader:>9}   skipped: the prompts exceed the model's "
                       f"{context}-token context", flush=True)
                 continue
             session = open_reader(reader, loaded, longest, indexer, for_segments, options.indexpool)
-            scores = []
+            scores: dict[str, list[float]] = {name: [] for name, _ in variants}
             for task in args.tasks:
-                details, seconds, read = [], [], []
+                details = {name: [] for name, _ in variants}
+                seconds, read = {name: [] for name, _ in variants}, {name: [] for name, _ in variants}
                 for i, sample in enumerate(sorted(samples[task], key=lambda s: s.prompt)):
-                    t0 = time.perf_counter()
-                    out, _, fed = greedy_answer(session, sample.prompt, MAX_NEW_TOKENS[task],
-                                                f"{task} {length}:{reader}", stop_ids=tokenizer.stop_ids,
-                                                progress=args.verbose)
-                    seconds.append(time.perf_counter() - t0)
-                    read.append(fed)
-                    answer = tokenizer.decode(out)
-                    details.append({"answers": sample.answers, "answer": answer,
-                                    "score": recall_all(answer, sample.answers)})
-                    if args.verbose:
-                        print(f"  {task} {length} {reader} #{i}: {sample.answers} -> {answer!r} "
-                              f"({details[-1]['score']:.2f}, {seconds[-1]:.1f} s, {fed} tokens read)", flush=True)
-                score = 100 * statistics.mean(d["score"] for d in details)
-                scores.append(score)
-                row = {"task": task, "length": length, "reader": reader, "score": score, "samples": len(details),
-                       "seconds_per_sample": statistics.mean(seconds), "read_per_sample": statistics.mean(read),
-                       "details": details}
-                rows.append(row)
-                print(f"{task:<16} {length:>7} {reader:>9} {score:>6.1f} {len(details):>7} "
-                      f"{row['seconds_per_sample']:>8.1f} {row['read_per_sample']:>11.0f}", flush=True)
-                if args.json:  # after every row: a run stopped part way keeps what it measured
+                    for name, settings in variants:
+                        t0 = time.perf_counter()
+                        label = f"{task} {length}:{name}"
+                        if len(variants) == 1:
+                            out, _, fed = greedy_answer(session, sample.prompt, MAX_NEW_TOKENS[task], label,
+                                                        stop_ids=tokenizer.stop_ids, progress=args.verbose)
+                        else:
+                            out, _, fed = answer_under(session, sample, settings or options.indexpool,
+                                                       MAX_NEW_TOKENS[task], tokenizer.stop_ids, label)
+                        seconds[name].append(time.perf_counter() - t0)
+                        read[name].append(fed)
+                        answer = tokenizer.decode(out)
+                        details[name].append({"answers": sample.answers, "answer": answer,
+                                              "score": recall_all(answer, sample.answers)})
+                        if args.verbose:
+                            print(f"  {task} {length} {name} #{i}: {sample.answers} -> {answer!r} "
+                                  f"({details[name][-1]['score']:.2f}, {seconds[name][-1]:.1f} s, {fed} tokens "
+                                  f"read)", flush=True)
+                for name, _ in variants:
+                    score = 100 * statistics.mean(d["score"] for d in details[name])
+                    scores[name].append(score)
+                    row = {"task": task, "length": length, "reader": name, "score": score,
+                           "samples": len(details[name]), "seconds_per_sample": statistics.mean(seconds[name]),
+                           "read_per_sample": statistics.mean(read[name]), "details": details[name]}
+                    rows.append(row)
+                    print(f"{task:<16} {length:>7} {name:>9} {score:>6.1f} {len(details[name]):>7} "
+                          f"{row['seconds_per_sample']:>8.1f} {row['read_per_sample']:>11.0f}", flush=True)
+                if args.json:  # after every task: a run stopped part way keeps what it measured
                     save()
-            averages.append({"length": length, "reader": reader, "score": statistics.mean(scores),
-                             "tasks": len(scores)})
+            for name, _ in variants:
+                averages.append({"length": length, "reader": name, "score": statistics.mean(scores[name]),
+                                 "tasks": len(scores[name])})
             del session
     print("\naverage over the tasks")
     print(f"{'length':>7} {'reader':>9} {'score':>6} {'tasks':>5}")
@@ -458,6 +523,13 @@ def main() -> None:
                         help="far tokens IndexPool selects per query (default: the engine's, 2048)")
     parser.add_argument("--query-topk", type=int, default=None,
                         help="far tokens per query of the question and the answer (default: the engine's, 1024)")
+    parser.add_argument("--question-pools", type=int, default=None,
+                        help="the question's best pools kept for it and its answer (default: the engine's; 0: the "
+                             "question read once)")
+    parser.add_argument("--question-variants", metavar="SETTINGS", type=question_variants,
+                        help="IndexPool also reads each question and its answer under these settings, the rest of "
+                             "the prompt read once for all: ';'-separated groups of NAME=NUMBER, NAME one of "
+                             f"{', '.join(QUESTION_SETTINGS)} (e.g. 'question_pools=0,query_topk=1024'); a row each")
     parser.add_argument("--haystack", metavar="FILE",
                         help="the prose needles hide in, as UTF-8 text (default: Python's documentation, then the "
                              "system's license texts, which differ between machines: save them to a file to draw the "

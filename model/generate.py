@@ -177,7 +177,8 @@ class Session:
 
         Tokens are fed in segments, so no T x T score matrix is ever built. With IndexPool the prompt's last
         `query_tokens` tokens (where a question is) choose their far tokens one by one; query_tail=False skips
-        that for a prompt that is only a document (faster; a question appended later gets it). IndexPool:
+        that for a prompt that is only a document (faster; a question appended later gets it); they are read twice
+        when they ask (`IndexPoolCache.asks`: the first read finds the question's pools). IndexPool:
         `evidence` learns where the short forwards look, `on_select` sees every layer's selection."""
         with self.reading(evidence, on_select=on_select):
             return self._prefill(prompt, on_progress, query_tail)
@@ -193,9 +194,15 @@ class Session:
         new = torch.tensor([prompt[keep:]], device=self.device)
         total, logits = new.shape[1], None
         body = max(0, total - self.query_tokens) if query_tail else total
+        asks = getattr(self.cache, "asks", None) if body < total else None  # IndexPool caches read a question twice
+        if asks:  # the question starts at a pool boundary, where the cache can truncate its first read
+            body = min(total, body + -(keep + body) % self.cache.settings.kpool)
         bounds = list(range(0, body, self.segment)) + [body, total]
         for s, e in zip(bounds, bounds[1:]):
             if e > s:
+                if asks and s == body and asks(e - s):  # read twice: first for the question's pools
+                    with self.cache.scouting():
+                        self.model(new[:, s:e], keep + s, self.cache)
                 logits = self.model(new[:, s:e], keep + s, self.cache)
                 if on_progress:
                     on_progress(e, total)

@@ -109,8 +109,14 @@ class TrainingFreeIndexer:
         self.projection = None if projection is None else projection.to(device)
         self.key_dim = config.kv_dim if projection is None else projection.shape[-1]
         self.ape = torch.zeros(config.n_layers, kpool, self.key_dim, device=device)
-        self.query_turn = None if distances is None else rope_average(config, distances).to(device)
+        self.config = config
         self._projections: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.read_at(distances)
+
+    def read_at(self, distances: tuple[int, int] | None) -> None:
+        """Score queries with RoPE averaged over these distances from now on (`rope_average`; None: un-rotated)."""
+        self.query_turn = None if distances is None else rope_average(self.config, distances).to(self.ape.device)
+        self._projections.clear()
 
     def keys(self, layer, x, k):
         keys = k.flatten(2)

@@ -7,10 +7,10 @@ small exact buffer, rotated at their true positions. One forward feeds every liv
 branch.
 
 Each branch attends exactly as the base cache would if it held that branch alone: the same window start, the same
-far selection (the indexer scores each branch's query only over the pools before its own window), the same
-remapped positions. That holds while a branch has fewer than `window - kpool` tokens of its own: its window start
-then lies inside the document, so every far token it may select is a document token, already in the history and
-the pooled index. `max_branch_tokens` says how many that is.
+far selection (the indexer scores each branch's query only over the pools before its own window; its question's
+pools, `IndexPoolCache.scouting`, first), the same remapped positions. That holds while a branch has fewer than
+`window - kpool` tokens of its own: its window start then lies inside the document, so every far token it may
+select is a document token, already in the history and the pooled index. `max_branch_tokens` says how many that is.
 
 A branch's question is read by the base cache alone (`Session.generate_branches`: per-query selection as usual),
 then its rotated K/V are copied into the branch's buffer (`take_branch`) and the base cache is truncated back to
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .indexpool_cache import (AttentionEvidence, IndexPoolCache, attention_with_lse, far_attention, gathered_key_mass,
-                              merge_attention, place_far_tokens)
+                              keep_question_pools, merge_attention, place_far_tokens)
 from indexpool.kernels.rope import apply_rope, rope_at
 
 
@@ -62,6 +62,7 @@ class IndexPoolBranches:
         self.lengths = torch.zeros(n_branches, dtype=torch.long)  # tokens of its own each branch holds
         self.live = torch.arange(n_branches)  # the branches the next forward feeds, in row order
         self.evidence: list[AttentionEvidence | None] = [None] * n_branches
+        self.question_pools: list[torch.Tensor | None] = [None] * n_branches  # each question's (IndexPoolCache)
 
     @property
     def max_length(self) -> int:
@@ -78,6 +79,7 @@ class IndexPoolBranches:
         self.own_k[:, branch, :n] = base.recent_k[:, :, held].transpose(1, 2)
         self.own_v[:, branch, :n] = base.recent_v[:, :, held].transpose(1, 2)
         self.lengths[branch] = n
+        self.question_pools[branch] = base.question_pools
         base.truncate(self.prefix)
 
     def begin(self, start: int, length: int) -> None:
@@ -157,6 +159,12 @@ class IndexPoolBranches:
         scores = base.indexer.score(layer, index_q.transpose(0, 1), weights.transpose(0, 1), pooled, limits)[0]
         if s.cumulative_scores:  # as IndexPoolCache._select ranks a query's pools
             scores = self.layer_scores = scores if self.layer_scores is None else self.layer_scores + scores
+        kept = [(row, self.question_pools[branch]) for row, branch in enumerate(self.live.tolist())
+                if self.question_pools[branch] is not None]
+        if kept:
+            scores = scores.clone()  # layer_scores stays the plain sum
+            for row, pools in kept:
+                scores[row] = keep_question_pools(scores[row], pools - first_pool)
         pools = scores.topk(s.short_topk() // s.kpool, dim=-1, sorted=False).indices
         pools = pools.sort(dim=-1).values + first_pool  # (B, topk/kpool)
         device = pools.device

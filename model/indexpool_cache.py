@@ -43,6 +43,15 @@ A per-query selection (`cumulative_scores`) ranks pools by the query's scores su
 that have scored so far, not by its own layer's alone: a layer's own scores single a needle out in a few layers
 only, and a different few for each needle, while the sum keeps it ranked in the layers after them
 (docs/benchmarks.md, "Long-context retrieval beyond passkey").
+Questions (`question_pools`). `Session.prefill` reads a prompt's last tokens (a question: a short forward of two tokens
+or more) twice. The first read (`scouting`) only finds the pools its tokens single out most: for each pool, the
+largest of its queries' scores for it, each summed over the scoring layers. Those few pools, with their neighbours
+(`QUESTION_SPAN`), are kept ahead of every other in each per-query selection of the second read and of the answer's
+tokens after it. A question names what it asks for (a needle's key), and the tokens that name it find the key's
+few occurrences; the query that must write the answer matches the needle's form ("the number is:"), not its key,
+and ranks the key's pool far lower (RULER-style niah_single at 32K, the default model, 10 samples: the answer's
+first query selected the value's pool in none of the 15 scoring layers in 3 samples, its median rank 100-1,900 of
+7,800; the question's kept pools held it in 9; docs/benchmarks.md).
 An optional second indexer (`segment_indexer`: `--indexer hybrid`), with a pooled index of its own, makes the
 shared selections (a segment's blocks, a forward read with one selection); the first one makes the per-query ones.
 Layers alternate by default between a "full" indexer and a "shared" one that reuses the layer before's selection
@@ -73,6 +82,9 @@ from .indexers import Indexer
 from .indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes
 from .llama import LlamaConfig, inverse_frequencies, zeroed
 
+# Around each of a question's best pools, the pools kept with it: a needle's key sits a few tokens before its value,
+# and the pool a question's tokens single out is the key's (from 12 tokens before it to 20 after).
+QUESTION_SPAN = range(-3, 5)
 INDEX_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8_DTYPE}
 KV_STORAGE = ("auto", "bf16", "int8", "full")
 
@@ -81,7 +93,7 @@ KV_STORAGE = ("auto", "bf16", "int8", "full")
 class IndexPoolConfig:
     kpool: int = 4
     topk: int = 2048  # far tokens per query (topk // kpool pools); 0: none, sinks and the recent window only
-    query_topk: int = 1024  # far tokens per query in short forwards (a question, an answer); topk caps it
+    query_topk: int = 512  # far tokens per query in short forwards (a question, an answer); topk caps it
     window: int = 1024  # recent tokens always attended ("L1")
     sinks: int = 64  # first tokens always attended
     sink_distance: int = 4096  # once far tokens are selected, the sinks sit at least this far back (module docstring)
@@ -97,6 +109,7 @@ class IndexPoolConfig:
     offload_dir: str | None = None  # keep history K/V in a memory-mapped file in this directory
     schedule: Sequence[str] | None = ("full", "shared")  # a pattern repeated over the layers; None: all full
     cumulative_scores: bool = True  # per-query selections rank pools by their scores summed over the layers so far
+    question_pools: int = 8  # a question's best pools, each with QUESTION_SPAN around it, kept for it and its answer
 
     def sink_gap(self, context_length: int) -> int:
         """Positions left empty between the sinks and the far tokens while far tokens are selected: what puts the
@@ -135,6 +148,7 @@ class IndexPoolConfig:
              f"sinks + topk + window + segment ({self.sinks} + {self.topk} + {self.window} + {self.segment}) must "
              f"fit in the model's trained context of {context_length} tokens (with a pool to spare)")
         need(self.segment_queries >= 1, "segment queries must be >= 1")
+        need(self.question_pools >= 0, "question pools must be >= 0")
         need(self.segment_candidates >= self.topk // self.kpool,
              f"segment candidates must be at least the pools selected (topk / kpool = {self.topk // self.kpool})")
         need(self.index_dtype in INDEX_DTYPES, f"index dtype must be one of {', '.join(INDEX_DTYPES)}")
@@ -143,6 +157,25 @@ class IndexPoolConfig:
             indexer_source_layers(self.schedule)  # raises on an unknown kind or a leading "shared"
         if self.offload_dir is not None:
             need(os.path.isdir(self.offload_dir), f"offload directory {self.offload_dir} does not exist")
+
+
+def question_pools(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """The pools (indices into scores (P,), best first) a question keeps: its `count` best by `scores`, each with
+    the pools of QUESTION_SPAN around it, once each."""
+    top = scores.topk(min(count, scores.shape[0])).indices
+    span = torch.tensor(QUESTION_SPAN, device=scores.device)
+    spans = (top[:, None] + span).flatten().clamp(0, scores.shape[0] - 1)
+    return torch.tensor(list(dict.fromkeys(spans.tolist())), dtype=torch.long, device=scores.device)
+
+
+def keep_question_pools(scores: torch.Tensor, pools: torch.Tensor) -> torch.Tensor:
+    """scores (..., P) with `pools` (indices into P, best first; those outside it skipped) ranked above every other
+    pool and in their order, so that a top-k takes them first; a new tensor."""
+    pools = pools[(pools >= 0) & (pools < scores.shape[-1])]
+    scores = scores.clone()
+    # Above any score (a sum of softmax probabilities over heads and layers), still exact in fp32 for the order.
+    scores[..., pools] = 1e6 + torch.arange(len(pools), 0, -1, dtype=scores.dtype, device=scores.device)
+    return scores
 
 
 def place_far_tokens(slots: torch.Tensor, ws, n_attended, n_sinks, gap: int) -> torch.Tensor:
@@ -307,6 +340,12 @@ class IndexPoolCache:
         self.evidence: AttentionEvidence | None = None
         self.shared_selection = False
         self.on_select: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        # The last question's pools (`scouting`): absolute pool indices, best first; where the question lies; what
+        # a scouting read found so far, and whether one is on.
+        self.question_pools: torch.Tensor | None = None
+        self.question_start = self.question_end = 0
+        self.scouted: torch.Tensor | None = None
+        self.scouting_question = False
 
     @contextmanager
     def reading(self, evidence: AttentionEvidence | None = None, shared_selection: bool = False,
@@ -336,7 +375,10 @@ class IndexPoolCache:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def truncate(self, length: int) -> int:
-        """Keep the first `length` tokens or fewer (down to a pool boundary); returns how many are kept."""
+        """Keep the first `length` tokens or fewer (down to a pool boundary); returns how many are kept. The last
+        question's pools stay while `length` covers the question (the tokens re-read up to it are the same)."""
+        if length < self.question_end:  # the question's tokens are not all kept: its pools go with it
+            self.question_pools = None
         length = min(length, self.length)
         length -= length % self.settings.kpool
         if length == self.length:
@@ -371,6 +413,7 @@ class IndexPoolCache:
         for index in self.indexes:
             index._n_tokens = [n] * index.n_layers
         self.length = n
+        self.question_pools = None
 
     def _state_views(self, n: int, recent_start: int) -> dict[str, torch.Tensor]:
         """Views of the state of n tokens, with the recent buffer's slot 0 holding position recent_start."""
@@ -417,15 +460,9 @@ class IndexPoolCache:
             self.recent_k[:, :, : start - self.ws] = self.recent_k[:, :, keep].clone()
             self.recent_v[:, :, : start - self.ws] = self.recent_v[:, :, keep].clone()
             self.recent_start = self.ws
-        self.n_sinks = min(s.sinks, self.ws)
-        self.n_far = self.ws - self.n_sinks
-        # Far tokens per query: all of them while they fit in topk; past that topk, or short_topk in a short forward.
-        short = length <= s.query_tokens
-        self.far_topk = s.short_topk() if short and self.n_far > s.topk else s.topk
-        # Queries in blocks of query_block rows, one far selection each: the whole forward is one block when
-        # everything fits, nothing is selected (topk 0) or the caller asked for one shared selection.
-        one_block = self.n_far <= self.far_topk or not self.far_topk or self.shared_selection
-        self.per_query = not one_block and short  # each query scored, scores summed per block
+        self.n_sinks, self.n_far, self.far_topk, one_block, self.per_query = self._reading_plan(self.ws, length)
+        if length > s.query_tokens and not self.shared_selection:  # more document, or a next message: the last
+            self.question_pools = None  # question and its answer are over
         self.query_block = length if one_block else min(s.query_block if self.per_query else s.segment_block, length)
         device = self.inv_freq.device
         self.positions = torch.arange(start, self.end, device=device)
@@ -453,6 +490,50 @@ class IndexPoolCache:
         if self.evidence is not None and length <= s.query_tokens:  # the forwards `attend` takes evidence from
             self.evidence.queries += length
 
+    def _reading_plan(self, ws: int, length: int) -> tuple[int, int, int, bool, bool]:
+        """How a forward of `length` tokens whose window starts at ws reads what lies before the window: sinks, far
+        tokens before the window, far tokens per query, whether all its queries share one selection, and whether
+        each query (or block of query_block) selects for itself."""
+        s = self.settings
+        n_sinks = min(s.sinks, ws)
+        n_far = ws - n_sinks
+        # Far tokens per query: all of them while they fit in topk; past that topk, or short_topk in a short forward.
+        short = length <= s.query_tokens
+        far_topk = s.short_topk() if short and n_far > s.topk else s.topk
+        # Queries in blocks of query_block rows, one far selection each: the whole forward is one block when
+        # everything fits, nothing is selected (topk 0) or the caller asked for one shared selection.
+        one_block = n_far <= far_topk or not far_topk or self.shared_selection
+        return n_sinks, n_far, far_topk, one_block, not one_block and short
+
+    def asks(self, length: int) -> bool:
+        """Whether a forward of `length` tokens after those held is a question that `Session.prefill` reads twice
+        (`question_pools`, module docstring): two tokens or more, starting at a pool boundary (the cache truncates
+        there only), each selecting for itself, and not a re-read of the last question's tail (after a truncation
+        that kept the question: the same tokens, read again from a pool boundary)."""
+        s = self.settings
+        rereads = self.question_pools is not None and self.length < self.question_end  # the question's own tail
+        return bool(s.question_pools) and length >= 2 and self.length % s.kpool == 0 and not rereads and \
+            self._reading_plan(self._window_start(self.length), length)[-1]
+
+    @contextmanager
+    def scouting(self):
+        """The forward inside the block (a question, see `asks`) only finds the question's pools: it takes no
+        evidence and calls no on_select hook, and the cache forgets its tokens afterwards. The short forwards after
+        it (the question read again, the answer's tokens) keep those pools (`keep_question_pools`) until a truncation
+        cuts the question or a long forward (more document, a next message) is read."""
+        start, saved = self.length, (self.evidence, self.on_select)
+        self.evidence = self.on_select = None
+        self.scouting_question, self.scouted = True, None
+        try:
+            yield self
+            end = self.length
+        finally:
+            self.scouting_question = False
+            self.evidence, self.on_select = saved
+            self.truncate(start)
+        self.question_pools, self.question_start, self.question_end = self.scouted, start, end
+        self.scouted = None
+
     def _select(self, layer: int, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Positions of the sinks and the far tokens each query block attends to: (n_blocks, N), ascending."""
         s = self.settings
@@ -472,6 +553,10 @@ class IndexPoolCache:
             scores = indexer.score(layer, index_q, weights, pooled)[0]  # (T, P)
             if s.cumulative_scores:
                 scores = self.layer_scores = scores if self.layer_scores is None else self.layer_scores + scores
+            if self.scouting_question:  # the last layer to score has the sum over all of them
+                self.scouted = question_pools(scores.max(dim=0).values, s.question_pools) + first_pool
+            elif self.question_pools is not None:
+                scores = keep_question_pools(scores, self.question_pools - first_pool)
             if self.query_block > 1:  # blocks of queries share the sum of their scores
                 scores = F.pad(scores, (0, 0, 0, -T % self.query_block)).view(n_blocks, -1, scores.shape[1]).sum(1)
             pools = scores.topk(self.far_topk // s.kpool, dim=-1, sorted=False).indices  # sorted below

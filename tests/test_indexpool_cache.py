@@ -6,6 +6,7 @@ real cache instead slides a window buffer, gathers from a (possibly int8 or memo
 across a segment, and merges two attention parts by their log-sum-exps; both must give the same logits.
 """
 
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -53,12 +54,39 @@ class ReferenceCache:
         self.inv_freq = inverse_frequencies(config)
         self.sources = indexer_source_layers(layer_schedule(settings.schedule, L))
         self.length = 0
+        self.question, self.question_start, self.question_end = None, 0, 0  # the last question's pools, its place
+        self.scouting_question = False
+
+    @property
+    def settings(self):
+        return self.s
 
     def truncate(self, length):
+        if length < self.question_end:  # the question's tokens not all kept
+            self.question = None
         self.length = min(length, self.length) // self.s.kpool * self.s.kpool
         return self.length
 
+    def asks(self, length):
+        """A question (a short forward of 2 tokens or more that selects per query, at a pool boundary, not inside the
+        last question) is read twice by Session.prefill: `scouting` first."""
+        s = self.s
+        ws = max(0, (self.length - s.window) // s.kpool * s.kpool)
+        inside = self.question is not None and self.length < self.question_end
+        return s.question_pools > 0 and 2 <= length <= s.query_tokens and self.length % s.kpool == 0 and \
+            ws - min(s.sinks, ws) > s.topk and min(s.query_topk, s.topk) > 0 and not inside
+
+    @contextmanager
+    def scouting(self):
+        start, self.scouting_question, self.scouted = self.length, True, None
+        yield
+        end, self.scouting_question = self.length, False
+        self.truncate(start)
+        self.question, self.question_start, self.question_end = self.scouted, start, end
+
     def begin(self, start, length):
+        if length > self.s.query_tokens:  # a long forward after a question ends it and its answer
+            self.question = None
         self.start, self.end, self.length = start, start + length, start + length
         self.selected = {}
         self.summed_scores = None  # a short forward's scores, summed over the layers that scored
@@ -101,11 +129,24 @@ class ReferenceCache:
             if self.summed_scores is not None:
                 scores = scores + self.summed_scores
             self.summed_scores = scores
+        P = scores.shape[1]
+        if self.scouting_question:  # the question's best pools by any of its queries, each with 3 before, 4 after
+            best, pools = scores.max(0).values, []
+            for p in best.topk(min(s.question_pools, P)).indices.tolist():
+                for d in range(-3, 5):
+                    if min(max(p + d, 0), P - 1) + first not in pools:
+                        pools.append(min(max(p + d, 0), P - 1) + first)
+            self.scouted = pools
+        kept = [] if self.scouting_question or self.question is None else \
+            [p - first for p in self.question if 0 <= p - first < P]
         blocks = [(b, min(b + s.query_block, T)) for b in range(0, T, s.query_block)]
         scores = torch.stack([scores[b:e].sum(0) for b, e in blocks])
         selection = []
         for row, (b, e) in zip(scores, blocks):  # short forwards take query_topk (at most topk) far tokens
-            pools = sorted((row.topk(min(s.query_topk, s.topk) // s.kpool).indices + first).tolist())
+            k = min(s.query_topk, s.topk) // s.kpool
+            chosen = kept[:k]  # the question's pools first, in their order
+            chosen += [c for c in row.argsort(descending=True).tolist() if c not in chosen][: k - len(chosen)]
+            pools = sorted(c + first for c in chosen)
             selection += [[p * s.kpool + i for p in pools for i in range(s.kpool)]] * (e - b)
         return selection
 
@@ -242,7 +283,8 @@ def test_shared_indexer_layers_reuse_the_full_layers_selection():
     prompt = prompts_for(7, [120])
     torch.testing.assert_close(run_session(model, settings, prompt), run_session(model, settings, prompt, reference=True),
                                atol=2e-4, rtol=0)
-    session = Session(model, 256, attention=IndexPoolConfig(**settings))
+    # Without a question's pools, which fill the 2 pools a query takes here alike in every layer.
+    session = Session(model, 256, attention=IndexPoolConfig(**settings, question_pools=0))
     seen = {}
     session.prefill(prompt[0], on_select=lambda layer, positions, far: seen.__setitem__(layer, far))
     assert seen[1] is seen[0] and not torch.equal(seen[2], seen[0])
@@ -533,11 +575,12 @@ def test_settings_are_validated():
 def test_short_forwards_take_query_topk_far_tokens_once_they_select():
     """A 150-token prompt: its segments take nothing, then everything (4 sinks + 4), then select topk (8) far
     tokens after the sinks; its last query_tokens tokens (the question) and the decode steps after it select
-    query_topk (4). A 20-token prompt: its question's window starts at the sinks' end (nothing far), and the decode
-    steps' 8 far tokens fit in topk: all are taken, though more than query_topk."""
+    query_topk (4). A 20-token prompt: its question (from 16, the pool boundary after 20 - query_tokens) takes the
+    sinks and the 4 tokens before its window, and the decode steps' 8 far tokens fit in topk: all are taken, though
+    more than query_topk."""
     model = tiny_model()
     settings = IndexPoolConfig(**SETTINGS | {"query_topk": 4, "kv_storage": "full"})
-    for length, long_far, short_far in ((150, {0, 8, 4 + 8}, {4 + 4}), (20, {0}, {4, 4 + 8})):
+    for length, long_far, short_far in ((150, {0, 8, 4 + 8}, {4 + 4}), (20, {0}, {4 + 4, 4 + 8})):
         session, seen, tokens = Session(model, 256, attention=settings), [], prompts_for(3, [length])[0]
         for _ in range(4):  # the prompt, then three greedy steps
             logits = session.prefill(tokens, on_select=lambda layer, queries, far: seen.append((len(queries),
@@ -622,3 +665,72 @@ def test_an_fp32_models_decode_steps_score_the_stored_pools(monkeypatch):
     widened = run_session(model, SETTINGS, prompt)
     assert not calls
     torch.testing.assert_close(stored, widened, atol=1e-5, rtol=0)
+
+
+def test_a_questions_pools_span_its_best_pools_once_each():
+    from indexpool.model.indexpool_cache import QUESTION_SPAN, question_pools
+
+    scores = torch.zeros(20)
+    scores[[1, 10, 12]] = torch.tensor([3.0, 5.0, 4.0])
+    # 10 first with its span (7..14), then 12's pools not yet taken (15, 16), then 1's (clamped at 0; 2..5 new).
+    assert question_pools(scores, 3).tolist() == [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 0, 1, 2, 3, 4, 5]
+    assert question_pools(scores[:12], 1).tolist() == [7, 8, 9, 10, 11]  # clamped at the last pool, once
+    assert question_pools(torch.ones(2), 5).tolist() == [0, 1]  # more asked than there are pools
+    assert len(QUESTION_SPAN) == 8
+
+
+def test_kept_question_pools_come_first_in_their_order():
+    from indexpool.model.indexpool_cache import keep_question_pools
+
+    scores = torch.rand(3, 40)
+    kept = keep_question_pools(scores, torch.tensor([30, -1, 7, 45, 2]))  # -1 and 45 lie outside: skipped
+    assert not torch.equal(kept, scores) and scores.max() <= 1  # the input is left as it was
+    assert kept.topk(2).indices.tolist() == [[30, 7]] * 3
+    top = kept.topk(6).indices
+    assert top[:, :3].tolist() == [[30, 7, 2]] * 3
+    assert torch.equal(top[:, 3:], scores.index_fill(1, torch.tensor([30, 7, 2]), -1).topk(3).indices)
+
+
+def test_a_question_is_read_twice_and_its_answer_keeps_its_pools():
+    """The prompt's last tokens select per query: `Session.prefill` reads them once to find the question's pools
+    (no evidence, no on_select hook, nothing left in the cache), then again with those pools in every query's
+    selection, and so do the decode steps after it, until a truncation to the question's start drops them."""
+    from indexpool.model.indexpool_cache import AttentionEvidence
+
+    config = replace(CONFIG, context_length=256)
+    model = tiny_model(4, config)
+    settings = IndexPoolConfig(**SETTINGS | dict(topk=64, query_topk=64, query_tokens=12, question_pools=1, segment_candidates=16,
+                                                 kv_storage="full"))
+    prompt = prompts_for(8, [300])[0]
+    session, seen = Session(model, 400, attention=settings), []
+    evidence = AttentionEvidence(0, 300)
+    logits = session.prefill(prompt, evidence=evidence,
+                             on_select=lambda layer, queries, far: seen.append((queries.tolist(), far)))
+    cache = session.cache
+    assert cache.length == 300 and evidence.queries == 12  # the question's 12 tokens, counted once
+    kept = cache.question_pools
+    assert kept is not None and len(kept) == 8 and (cache.question_start, cache.question_end) == (288, 300)
+    kept_tokens = set((kept[:, None] * 4 + torch.arange(4)).flatten().tolist())
+    question = [far for queries, far in seen if len(queries) == 12]
+    assert len(question) == CONFIG.n_layers  # one read seen: the scouting read calls no hook
+    assert all(kept_tokens <= set(row.tolist()) for far in question for row in far)
+    # The answer's tokens (decode steps) select with the question's pools too.
+    token = logits.argmax().view(1, 1)
+    with cache.reading(on_select=lambda layer, queries, far: seen.append((queries.tolist(), far))):
+        model(token, 300, cache)
+    assert all(kept_tokens <= set(far[0].tolist()) for queries, far in seen if queries == [300])
+    assert torch.equal(cache.question_pools, kept)
+    # A truncation that keeps the question keeps them (the tokens re-read from the pool boundary are the same);
+    # another question on the same document replaces them; a truncation that cuts it drops them.
+    session.tokens = prompt + [int(token)]
+    assert cache.truncate(301) == 300 and torch.equal(cache.question_pools, kept)
+    follow_up = prompt[:298] + prompts_for(9, [12])[0]
+    session.prefill(follow_up)
+    # Read from 296 (the pool boundary before 298); the question from 300 (the one after 310 - query_tokens).
+    assert (cache.question_start, cache.question_end) == (300, 310)
+    cache.truncate(309)
+    assert cache.question_pools is None
+    # A question the window holds whole-document attention for (nothing to select) is read once.
+    short = Session(model, 400, attention=settings)
+    short.prefill(prompt[:40])
+    assert short.cache.question_pools is None

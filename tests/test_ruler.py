@@ -137,3 +137,39 @@ def test_recall_all_is_the_share_of_expected_strings_found():
     assert recall_all("The number is 1234567.", ["1234567", "7654321"]) == 0.5
     assert recall_all("They are: ABCDE, fghij", ["abcde", "FGHIJ", "KLMNO", "PQRST"]) == 0.5  # case-insensitive
     assert recall_all("I do not know.", ["1234567"]) == 0
+
+
+def test_question_variants_read_the_rest_of_the_prompt_once():
+    """`--question-variants`: each sample's question and answer under several settings, what comes before them read
+    once. Every variant must answer as a session that reads the same prompts under its settings alone (a tiny random
+    model whose question selects per query and keeps its pools; a second indexer reads the segments, as the hybrid
+    default does, so that query_topk, which turns the first one's queries, changes the question's reading only)."""
+    from dataclasses import replace
+
+    from benchmarks.common import greedy_answer
+    from benchmarks.ruler import Sample, answer_under, question_variants
+    from indexpool.model.generate import Session
+    from indexpool.model.indexers import TrainingFreeIndexer
+    from indexpool.model.indexpool_cache import IndexPoolConfig
+    from tests.test_indexpool_cache import CONFIG, SETTINGS, prompts_for, tiny_model
+
+    model, segments = tiny_model(5), TrainingFreeIndexer(CONFIG, 4)
+    default = IndexPoolConfig(**SETTINGS | dict(query_topk=8, question_pools=1, kv_storage="full"))
+    variants = [default] + [replace(default, **v) for v in question_variants("question_pools=0;query_topk=4")]
+    # 150 and 174 tokens: the rest of each prompt is read in segments longer than query_tokens (a short last one
+    # would select per query, with the first variant's query_topk).
+    first, other = prompts_for(11, [150])[0], prompts_for(12, [174])[0]
+    samples = [Sample("niah_single", 200, "", "", "", "", ["1"], prompt) for prompt in
+               (first, first[:130] + other[130:])]  # the second shares the first's start, not its question
+    session = Session(model, 200, attention=default, segment_indexer=segments)
+    answers = [[answer_under(session, sample, settings, 5, frozenset(), "test") for settings in variants]
+               for sample in samples]
+    assert session.cache.settings is default
+    for v, settings in enumerate(variants):
+        alone = Session(model, 200, attention=settings, segment_indexer=segments)
+        for sample, answered in zip(samples, answers):  # in the same order: the second reads from where they part
+            assert answered[v][0] == greedy_answer(alone, sample.prompt, 5, "test")[0]
+    # The first variant read the second sample from the last pool boundary they share; the others its question.
+    assert [fed for _, _, fed in answers[1]] == [174 - 128, 174 - 168, 174 - 168]
+    with pytest.raises(Exception, match="NAME=NUMBER"):
+        question_variants("window=3")
