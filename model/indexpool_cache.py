@@ -340,8 +340,8 @@ class IndexPoolCache:
         self.evidence: AttentionEvidence | None = None
         self.shared_selection = False
         self.on_select: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-        # The last question's pools (`scouting`): absolute pool indices, best first; where the question lies; what
-        # a scouting read found so far, and whether one is on.
+        # The last question's pools (`scouting`): absolute pool indices, best first; where the question lies; the
+        # scouting read's best score per pool so far, and whether one is on.
         self.question_pools: torch.Tensor | None = None
         self.question_start = self.question_end = 0
         self.scouted: torch.Tensor | None = None
@@ -531,6 +531,8 @@ class IndexPoolCache:
             self.scouting_question = False
             self.evidence, self.on_select = saved
             self.truncate(start)
+        if self.scouted is not None:  # pools counted from the first after the sinks
+            self.scouted = question_pools(self.scouted, self.settings.question_pools) + self.n_sinks // self.settings.kpool
         self.question_pools, self.question_start, self.question_end = self.scouted, start, end
         self.scouted = None
 
@@ -554,7 +556,7 @@ class IndexPoolCache:
             if s.cumulative_scores:
                 scores = self.layer_scores = scores if self.layer_scores is None else self.layer_scores + scores
             if self.scouting_question:  # the last layer to score has the sum over all of them
-                self.scouted = question_pools(scores.max(dim=0).values, s.question_pools) + first_pool
+                self.scouted = scores.max(dim=0).values
             elif self.question_pools is not None:
                 scores = keep_question_pools(scores, self.question_pools - first_pool)
             if self.query_block > 1:  # blocks of queries share the sum of their scores
