@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import machine_description, run_indexpool
-from benchmarks.doc_qa_documents import DocumentMissing, data_files, load_set, materialize
+from benchmarks.doc_qa_documents import DocumentMissing, data_files, documents_folder, load_set, materialize
 from indexpool.ingest import Part
 
 RTR_PARTS = 4  # parts retrieve-then-read places in the model's context
@@ -287,12 +287,12 @@ def main() -> None:
     print(f"documents: {', '.join(names)}")
     reader = RetrieveThenRead()
     results = []
-    with tempfile.TemporaryDirectory(prefix="doc_qa_") as tmp:
+    with documents_folder() as folder:
         for name in names:
             doc_set = load_set(name)
             print(f"\n{name}: {doc_set['about']}", flush=True)
             try:
-                results.append(evaluate(doc_set, Path(tmp), reader, args))
+                results.append(evaluate(doc_set, folder, reader, args))
             except DocumentMissing as e:
                 print(f"  skipped: {e}")
                 continue

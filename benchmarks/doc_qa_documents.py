@@ -22,9 +22,25 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 DATA = Path(__file__).resolve().parent / "data"
+FOLDER = Path(tempfile.gettempdir()) / "indexpool-doc-qa"
+
+
+@contextmanager
+def documents_folder() -> Iterator[Path]:
+    """An empty folder at a fixed path to lay documents out in, removed afterwards (one run at a time). A document's
+    text as `ask` reads it names its path: in a new random folder each run, a few tokens of the document changed
+    from run to run, and with them an answer where two passages nearly tie."""
+    shutil.rmtree(FOLDER, ignore_errors=True)
+    FOLDER.mkdir(parents=True)
+    try:
+        yield FOLDER
+    finally:
+        shutil.rmtree(FOLDER, ignore_errors=True)
 
 
 class DocumentMissing(Exception):
@@ -90,8 +106,8 @@ def main() -> None:
     from indexpool.ingest import load_document
 
     doc_set = load_set(args.name)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = materialize(doc_set["document"], Path(tmp), install=args.install)
+    with documents_folder() as folder:
+        path = materialize(doc_set["document"], folder, install=args.install)
         document = load_document([str(path)])
         for part in document.parts:
             print(f"----- part cite={part.cite!r}")

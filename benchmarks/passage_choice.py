@@ -11,12 +11,10 @@ does it hold an accepted answer, and is its part a ground-truth location (the fi
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
 from benchmarks.common import machine_description
 from benchmarks.doc_qa import answer_holds, location_matches
-from benchmarks.doc_qa_documents import DocumentMissing, data_files, load_set, materialize
+from benchmarks.doc_qa_documents import DocumentMissing, data_files, documents_folder, load_set, materialize
 
 # (label, attention weight, model weight, words): the scorers compared
 SCORERS = [("words", 0.0, 0.0, True), ("attention", 1.0, 0.0, False), ("words + attention", None, 0.0, True),
@@ -58,11 +56,11 @@ def main() -> None:
     count = 0
     print(f"| document | q | {' | '.join(f'{label}: answer, source' for label, *_ in SCORERS)} |\n"
           + "|---" * (len(SCORERS) + 2) + "|")
-    with tempfile.TemporaryDirectory(prefix="passage_choice_") as tmp:
+    with documents_folder() as folder:
         for name in names:
             doc_set = load_set(name)
             try:
-                path = materialize(doc_set["document"], Path(tmp), install=args.install)
+                path = materialize(doc_set["document"], folder, install=args.install)
             except DocumentMissing as e:
                 print(f"| {name} | skipped: {e} |")
                 continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Iterator
 
 import torch
@@ -179,7 +180,8 @@ class Session:
         `query_tokens` tokens (where a question is) choose their far tokens one by one; query_tail=False skips
         that for a prompt that is only a document (faster; a question appended later gets it); they are read twice
         when they ask (`IndexPoolCache.asks`: the first read finds the question's pools). IndexPool:
-        `evidence` learns where the short forwards look, `on_select` sees every layer's selection."""
+        `evidence` learns where the short forwards look (a question: its first read), `on_select` sees every
+        layer's selection (a question: its second read's)."""
         with self.reading(evidence, on_select=on_select):
             return self._prefill(prompt, on_progress, query_tail)
 
@@ -200,10 +202,9 @@ class Session:
         bounds = list(range(0, body, self.segment)) + [body, total]
         for s, e in zip(bounds, bounds[1:]):
             if e > s:
-                if asks and s == body and asks(e - s):  # read twice: first for the question's pools
-                    with self.cache.scouting():
-                        self.model(new[:, s:e], keep + s, self.cache)
-                logits = self.model(new[:, s:e], keep + s, self.cache)
+                forward = partial(self.model, new[:, s:e], keep + s, self.cache)
+                # A question is read twice: first for its pools (`IndexPoolCache.read_question`).
+                logits = self.cache.read_question(forward) if asks and s == body and asks(e - s) else forward()
                 if on_progress:
                     on_progress(e, total)
         self.tokens = list(prompt)

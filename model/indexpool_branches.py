@@ -8,7 +8,7 @@ branch.
 
 Each branch attends exactly as the base cache would if it held that branch alone: the same window start, the same
 far selection (the indexer scores each branch's query only over the pools before its own window; its question's
-pools, `IndexPoolCache.scouting`, first), the same remapped positions. That holds while a branch has fewer than
+pools, `IndexPoolCache.read_question`, first), the same remapped positions. That holds while a branch has fewer than
 `window - kpool` tokens of its own: its window start then lies inside the document, so every far token it may
 select is a document token, already in the history and the pooled index. `max_branch_tokens` says how many that is.
 

@@ -44,7 +44,7 @@ that have scored so far, not by its own layer's alone: a layer's own scores sing
 only, and a different few for each needle, while the sum keeps it ranked in the layers after them
 (docs/benchmarks.md, "Long-context retrieval beyond passkey").
 Questions (`question_pools`). `Session.prefill` reads a prompt's last tokens (a question: a short forward of two tokens
-or more) twice. The first read (`scouting`) only finds the pools its tokens single out most: for each pool, the
+or more) twice. The first read (`read_question`) finds the pools its tokens single out most: for each pool, the
 largest of its queries' scores for it, each summed over the scoring layers. Those few pools, with their neighbours
 (`QUESTION_SPAN`), are kept ahead of every other in each per-query selection of the second read and of the answer's
 tokens after it. A question names what it asks for (a needle's key), and the tokens that name it find the key's
@@ -340,8 +340,8 @@ class IndexPoolCache:
         self.evidence: AttentionEvidence | None = None
         self.shared_selection = False
         self.on_select: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-        # The last question's pools (`scouting`): absolute pool indices, best first; where the question lies; the
-        # scouting read's best score per pool so far, and whether one is on.
+        # The last question's pools (`read_question`): absolute pool indices, best first; where the question lies;
+        # the first read's best score per pool so far, and whether one is on.
         self.question_pools: torch.Tensor | None = None
         self.question_start = self.question_end = 0
         self.scouted: torch.Tensor | None = None
@@ -515,26 +515,30 @@ class IndexPoolCache:
         return bool(s.question_pools) and length >= 2 and self.length % s.kpool == 0 and not rereads and \
             self._reading_plan(self._window_start(self.length), length)[-1]
 
-    @contextmanager
-    def scouting(self):
-        """The forward inside the block (a question, see `asks`) only finds the question's pools: it takes no
-        evidence and calls no on_select hook, and the cache forgets its tokens afterwards. The short forwards after
-        it (the question read again, the answer's tokens) keep those pools (`keep_question_pools`) until a truncation
-        cuts the question or a long forward (more document, a next message) is read."""
-        start, saved = self.length, (self.evidence, self.on_select)
-        self.evidence = self.on_select = None
-        self.scouting_question, self.scouted = True, None
+    def read_question(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Read a question (see `asks`) twice; `forward()` runs the model over its tokens and returns the logits.
+
+        The first read finds the question's pools and takes the evidence: where the question looks of itself (in
+        the second read every token's selection holds the kept pools, which would draw its attention to them
+        whatever it asks). It calls no on_select hook, and the cache forgets its tokens afterwards. The second read
+        (its logits returned) and the short forwards after it keep those pools (`keep_question_pools`) until a
+        truncation cuts the question or a long forward (more document, a next message) is read."""
+        start, hook = self.length, self.on_select
+        self.on_select, self.scouting_question, self.scouted = None, True, None
         try:
-            yield self
+            forward()
             end = self.length
         finally:
-            self.scouting_question = False
-            self.evidence, self.on_select = saved
+            self.scouting_question, self.on_select = False, hook
             self.truncate(start)
         if self.scouted is not None:  # pools counted from the first after the sinks
             self.scouted = question_pools(self.scouted, self.settings.question_pools) + self.n_sinks // self.settings.kpool
         self.question_pools, self.question_start, self.question_end = self.scouted, start, end
-        self.scouted = None
+        self.scouted, evidence, self.evidence = None, self.evidence, None
+        try:
+            return forward()
+        finally:
+            self.evidence = evidence
 
     def _select(self, layer: int, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Positions of the sinks and the far tokens each query block attends to: (n_blocks, N), ascending."""

@@ -6,7 +6,6 @@ real cache instead slides a window buffer, gathers from a (possibly int8 or memo
 across a segment, and merges two attention parts by their log-sum-exps; both must give the same logits.
 """
 
-from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -69,20 +68,20 @@ class ReferenceCache:
 
     def asks(self, length):
         """A question (a short forward of 2 tokens or more that selects per query, at a pool boundary, not inside the
-        last question) is read twice by Session.prefill: `scouting` first."""
+        last question) is read twice by Session.prefill (`read_question`)."""
         s = self.s
         ws = max(0, (self.length - s.window) // s.kpool * s.kpool)
         inside = self.question is not None and self.length < self.question_end
         return s.question_pools > 0 and 2 <= length <= s.query_tokens and self.length % s.kpool == 0 and \
             ws - min(s.sinks, ws) > s.topk and min(s.query_topk, s.topk) > 0 and not inside
 
-    @contextmanager
-    def scouting(self):
+    def read_question(self, forward):
         start, self.scouting_question, self.scouted = self.length, True, None
-        yield
+        forward()
         end, self.scouting_question = self.length, False
         self.truncate(start)
         self.question, self.question_start, self.question_end = self.scouted, start, end
+        return forward()
 
     def begin(self, start, length):
         if length > self.s.query_tokens:  # a long forward after a question ends it and its answer
@@ -693,8 +692,8 @@ def test_kept_question_pools_come_first_in_their_order():
 
 def test_a_question_is_read_twice_and_its_answer_keeps_its_pools():
     """The prompt's last tokens select per query: `Session.prefill` reads them once to find the question's pools
-    (no evidence, no on_select hook, nothing left in the cache), then again with those pools in every query's
-    selection, and so do the decode steps after it, until a truncation to the question's start drops them."""
+    (the evidence taken there, no on_select hook, nothing left in the cache), then again with those pools in every
+    query's selection, and so do the decode steps after it, until a truncation to the question's start drops them."""
     from indexpool.model.indexpool_cache import AttentionEvidence
 
     config = replace(CONFIG, context_length=256)
@@ -708,6 +707,11 @@ def test_a_question_is_read_twice_and_its_answer_keeps_its_pools():
                              on_select=lambda layer, queries, far: seen.append((queries.tolist(), far)))
     cache = session.cache
     assert cache.length == 300 and evidence.queries == 12  # the question's 12 tokens, counted once
+    # Where the question looks of itself: the evidence of a session that reads it once, not the second read's.
+    once, alone = Session(model, 400, attention=replace(settings, question_pools=0)), AttentionEvidence(0, 300)
+    once.prefill(prompt, evidence=alone)
+    assert once.cache.question_pools is None and alone.queries == 12
+    assert torch.equal(evidence.mass, alone.mass) and evidence.mass.sum() > 0
     kept = cache.question_pools
     assert kept is not None and len(kept) == 8 and (cache.question_start, cache.question_end) == (288, 300)
     kept_tokens = set((kept[:, None] * 4 + torch.arange(4)).flatten().tolist())
