@@ -531,9 +531,10 @@ class IndexPoolCache:
         finally:
             self.scouting_question, self.on_select = False, hook
             self.truncate(start)
-        if self.scouted is not None:  # pools counted from the first after the sinks
-            self.scouted = question_pools(self.scouted, self.settings.question_pools) + self.n_sinks // self.settings.kpool
-        self.question_pools, self.question_start, self.question_end = self.scouted, start, end
+        pools, s = self.scouted, self.settings
+        if pools is not None:  # indices into the scored pools, which start at the first after the sinks
+            pools = question_pools(pools, s.question_pools) + self.n_sinks // s.kpool
+        self.question_pools, self.question_start, self.question_end = pools, start, end
         self.scouted, evidence, self.evidence = None, self.evidence, None
         try:
             return forward()
