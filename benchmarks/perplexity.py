@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from benchmarks.common import add_schedule_option, machine_description, natural_text
 from indexpool.model.generate import Session
-from indexpool.model.indexers import TrainingFreeIndexer
 from indexpool.model.indexpool_cache import IndexPoolConfig
 from indexpool.model.sessions import SessionOptions, default_indexer, describe_indexers, segment_indexer
 from indexpool.model.runtime import load_engine, set_threads
@@ -93,8 +92,7 @@ def main() -> None:
         ids = natural_text_ids(loaded.tokenizer, args.offset, length)
         dense, _, n = nll(Session(loaded.model, length), ids, first_scored, args.decode)
         for config in settings:
-            if isinstance(indexer, TrainingFreeIndexer):  # its queries are turned for the distances read at
-                indexer.read_at(config.far_distances())
+            indexer.read_at(config.far_distances())  # a training-free indexer's queries are turned for them
             session = Session(loaded.model, length, attention=config, indexer=indexer, segment_indexer=for_segments)
             sparse, _, _ = nll(session, ids, first_scored, args.decode)
             print(f"{length:>7} {n:>6} {config.sink_distance:>13} {config.query_topk:>10} {math.exp(dense):>9.3f} "

@@ -60,7 +60,6 @@ import torch
 
 from benchmarks.common import chat_frame, greedy_answer, machine_description, natural_haystack
 from indexpool.model.generate import Session
-from indexpool.model.indexers import TrainingFreeIndexer
 from indexpool.model.indexpool_cache import IndexPoolConfig
 from indexpool.model.runtime import load_engine, set_threads
 from indexpool.model.tensor_cache import write_atomically
@@ -382,8 +381,7 @@ def answer_under(session: Session, sample: Sample, settings: IndexPoolConfig, ma
     first variant of a sample; the others find it held and read the question only (the indexer's query turned
     for their query_topk). The tokens read count the rest of the prompt where it was read."""
     cache, prompt = session.cache, sample.prompt
-    kpool = cache.settings.kpool
-    question_start = -(-(len(prompt) - cache.settings.query_tokens) // kpool) * kpool  # as `Session.prefill` splits
+    question_start = session.question_start(len(prompt))
     document_read = 0
     if session.tokens[:question_start] != prompt[:question_start]:
         session.prefill(prompt[:question_start], query_tail=False)
@@ -391,15 +389,13 @@ def answer_under(session: Session, sample: Sample, settings: IndexPoolConfig, ma
     session.tokens = session.tokens[: cache.truncate(question_start)]
     saved = cache.settings
     cache.settings = settings
-    if isinstance(cache.indexer, TrainingFreeIndexer):
-        cache.indexer.read_at(settings.far_distances())
+    cache.indexer.read_at(settings.far_distances())
     try:
         out, stats, fed = greedy_answer(session, prompt, max_new_tokens, label, stop_ids=stop_ids)
         return out, stats, document_read + fed
     finally:
         cache.settings = saved
-        if isinstance(cache.indexer, TrainingFreeIndexer):
-            cache.indexer.read_at(saved.far_distances())
+        cache.indexer.read_at(saved.far_distances())
 
 
 def run(args) -> None:

@@ -197,8 +197,8 @@ class Session:
         total, logits = new.shape[1], None
         body = max(0, total - self.query_tokens) if query_tail else total
         asks = getattr(self.cache, "asks", None) if body < total else None  # IndexPool caches read a question twice
-        if asks:  # the question starts at a pool boundary, where the cache can truncate its first read
-            body = min(total, body + -(keep + body) % self.cache.settings.kpool)
+        if asks:
+            body = self.question_start(len(prompt), keep) - keep
         bounds = list(range(0, body, self.segment)) + [body, total]
         for s, e in zip(bounds, bounds[1:]):
             if e > s:
@@ -209,6 +209,13 @@ class Session:
                     on_progress(e, total)
         self.tokens = list(prompt)
         return logits[:, -1]
+
+    def question_start(self, prompt_length: int, held: int = 0) -> int:
+        """Where an IndexPool session reads a prompt's question from (twice, when it asks): its last `query_tokens`
+        tokens, none of the `held` ones, from a pool boundary, where the cache can truncate the question's first
+        read."""
+        start = max(held, prompt_length - self.query_tokens)
+        return min(prompt_length, start + -start % self.cache.settings.kpool)
 
     @torch.inference_mode()
     def read_shared(self, prompt: list[int], evidence: AttentionEvidence | None = None,

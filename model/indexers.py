@@ -47,6 +47,10 @@ class Indexer(Protocol):
         """fp32 scores (B, T, P) of queries against pooled keys (B, P, d). limits (B, T), optional: the number of
         leading pools each query may see; the others score -inf."""
 
+    def read_at(self, distances: tuple[int, int] | None) -> None:
+        """Score queries for keys read at these query-key distances from now on (`IndexPoolConfig.far_distances`);
+        an indexer whose queries do not depend on the distance ignores it."""
+
 
 def hide_pools_past(scores: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
     """scores (..., P), in place, with the pools at or past each row's limit (limits: scores' leading dims, or

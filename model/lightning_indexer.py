@@ -91,6 +91,9 @@ class LightningIndexer(nn.Module):
         self.query_proj = nn.Parameter(torch.randn(L, H * d, query_width) * query_width**-0.5)
         self.weight_proj = nn.Parameter(torch.randn(L, H, m.dim) * m.dim**-0.5)
 
+    def read_at(self, distances: tuple[int, int] | None) -> None:
+        """Nothing to turn: its trained queries carry no position (`Indexer.read_at`)."""
+
     def keys(self, layer: int, x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 index keys and gate logits (B, T, d); the projection runs in x's dtype (bf16 on AMX)."""
         keys, gates = F.linear(x, self.key_gate_proj[layer].to(x.dtype)).float().split(self.key_dim, dim=-1)

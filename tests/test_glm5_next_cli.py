@@ -29,8 +29,10 @@ def checkpoint(tmp_path_factory):
 def loaded(checkpoint):
     from indexpool.model.runtime import load_engine
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    return load_engine(str(checkpoint), "fp32")
+    yield load_engine(str(checkpoint), "fp32")
+    torch.set_num_threads(threads)  # the tests after this module's get the threads they had
 
 
 def greedy_text(loaded, ids: list[int], max_new_tokens: int) -> tuple[str, int]:
