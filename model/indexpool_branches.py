@@ -25,9 +25,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .indexpool_cache import (AttentionEvidence, IndexPoolCache, attention_with_lse, far_attention, gathered_key_mass,
-                              keep_question_pools, merge_attention, place_far_tokens)
+from indexpool.kernels.cpu_attention import attention_with_lse, merge_attention
 from indexpool.kernels.rope import apply_rope, rope_at
+
+from .indexpool_cache import (AttentionEvidence, IndexPoolCache, far_attention, gathered_key_mass, keep_question_pools,
+                              place_far_tokens)
 
 
 def max_branch_tokens(base: IndexPoolCache) -> int:

@@ -76,7 +76,7 @@ import torch.nn.functional as F
 from indexpool.kernels import kernel_backend
 from indexpool.kernels.index_math import FP8_DTYPE
 from indexpool.kernels.rope import apply_rope, rope_at
-from indexpool.kernels.cpu_attention import native_attention, native_prefill
+from indexpool.kernels.cpu_attention import attention_with_lse, merge_attention, native_attention
 
 from .indexers import Indexer
 from .indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes
@@ -830,40 +830,3 @@ class AttentionEvidence:
         """The mass of the tokens [start, end) (of `mass` when given: per token of the span, e.g. `beyond`'s)."""
         mass = self.mass if mass is None else mass
         return float(mass[max(0, start - self.start) : max(0, end - self.start)].sum())
-
-
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention (B, heads, L, D) and the fp32 log-sum-exp of its scaled logits (B, heads, L), so that
-    attention over a union of key sets can be merged from its parts. causal: query i sees keys 0..i (L == S).
-    mask: an additive fp32 mask broadcastable to (B, heads, L, S); a row must see at least one key.
-    On the CPU the C kernels take it where they run (kernels/cpu_attention.py: a few query rows per head, or
-    bf16 without AMX), else PyTorch's flash kernel, all returning both; elsewhere this is the plain fp32
-    reference."""
-    if q.device.type == "cpu":
-        if causal:
-            native = None if mask is not None else native_prefill(q, k, v, 0, return_lse=True)
-        else:
-            native = native_attention(q, k, v, mask, return_lse=True)
-        if native is not None:
-            return native
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal,
-                                                                              attn_mask=mask)
-        return out, lse
-    logits = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
-    if causal:
-        hidden = torch.ones(logits.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        logits = logits.masked_fill(hidden, float("-inf"))
-    if mask is not None:
-        logits = logits + mask
-    lse = logits.logsumexp(dim=-1)
-    return ((logits - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
-
-
-def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Attention over the union of disjoint key sets, from each set's (output, log-sum-exp)."""
-    if len(parts) == 1:
-        return parts[0][0]
-    lse = torch.stack([part_lse for _, part_lse in parts]).logsumexp(dim=0)
-    out = sum(part_out.float() * (part_lse - lse).exp()[..., None] for part_out, part_lse in parts)
-    return out.to(parts[0][0].dtype)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from indexpool.kernels import cpu_decode, torch_forced
-from indexpool.kernels.cpu_attention import decode_attention, native_attention_takes, native_prefill
+from indexpool.kernels.cpu_attention import decode_attention, native_attention_takes, prompt_attention
 from indexpool.kernels.rope import apply_rope
 
 from .gguf_weights import BlockLinear
@@ -127,9 +127,9 @@ class KVCache(nn.Module):
         self.start, self.end = start, start + length
         self.cos, self.sin = self.rope_cos[start : self.end, None], self.rope_sin[start : self.end, None]
         # A single query sees the whole filled cache and needs no mask; the first segment is plainly causal;
-        # a later segment gets an explicit (length, start+length) mask.
+        # a later segment gets an explicit (length, start+length) mask, but on the CPU (`prompt_attention`).
         self.mask = None
-        if length > 1 and start > 0:  # additive, built once per forward rather than converted in every layer
+        if length > 1 and start > 0 and self.k.device.type != "cpu":  # additive, built once, not in every layer
             rows = torch.arange(start, self.end, device=self.k.device)[:, None]
             hidden = torch.arange(self.end, device=self.k.device)[None, :] > rows
             self.mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.k.device).masked_fill_(hidden, float("-inf"))
@@ -147,12 +147,11 @@ class KVCache(nn.Module):
         if T == 1:
             return decode_attention(q.view(B, self.n_kv_heads, H // self.n_kv_heads, -1), keys, values,
                                     self.mask).reshape(B, 1, -1)
-        if keys.dtype != q.dtype:  # a prompt reads a narrower cache widened (once per forward and layer)
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
-        y = native_prefill(q, keys, values, self.start)  # the C kernel on CPUs where it measured faster
-        if y is None:
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, is_causal=self.mask is None,
-                                               enable_gqa=self.n_kv_heads != H)
+        if keys.device.type == "cpu":
+            y = prompt_attention(q, keys, values, self.start)
+        else:
+            y = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=self.mask,
+                                               is_causal=self.mask is None, enable_gqa=self.n_kv_heads != H)
         return y.transpose(1, 2).reshape(B, T, -1)
 
 

@@ -242,6 +242,44 @@ def test_prefill_kernel_equals_exact_attention(shape, dtype):
         assert error <= 1e-6 * v.abs().max().item()
 
 
+# (batch, query heads, KV heads, queries, start, head size) with the key chunk set to 7 below
+PROMPT_SHAPES = [
+    (1, 6, 2, 5, 0, 64),  # the first segment: its own keys only
+    (1, 6, 2, 5, 3, 64),  # fewer earlier keys than a chunk
+    (2, 4, 4, 9, 14, 32),  # two whole chunks before the segment
+    (1, 8, 2, 16, 23, 64),  # three chunks and a tail of 2
+    (1, 3, 1, 1, 30, 128),  # one query
+]
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                               (torch.bfloat16, torch.bfloat16)], ids=["fp32", "fp32-bf16cache", "bf16"])
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+@pytest.mark.parametrize("shape", PROMPT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_prompt_attention_in_key_chunks_equals_causal_attention(shape, dtype, cache_dtype, kernels, monkeypatch):
+    """A prompt segment's attention read in chunks of earlier keys and merged equals causal attention over all of
+    them, computed in fp64 on the same rounded inputs (a narrower cache is widened as it is read): fp32 within
+    1e-6 of the values' scale (the kernel test's bound; the merge adds a few fp32 roundings of outputs below 1);
+    bf16 within one bf16 rounding of the output's and the values' scale, as the prefill kernel."""
+    B, H, KV, T, start, D = shape
+    use_kernels(monkeypatch, kernels)
+    monkeypatch.setattr(cpu, "PROMPT_KEY_CHUNK", 7)
+    generator = torch.Generator().manual_seed(T * 31 + start)
+    q = torch.randn(B, H, T, D, generator=generator).to(dtype)
+    k, v = (torch.randn(B, KV, start + T, D, generator=generator).to(cache_dtype) for _ in range(2))
+    visible = torch.arange(start + T)[None, :] <= start + torch.arange(T)[:, None]
+    group = H // KV
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1), attn_mask=visible)
+    got = cpu.prompt_attention(q, k, v, start)
+    assert got.shape == (B, H, T, D) and got.dtype == dtype
+    error = (got.double() - exact).abs().max().item()
+    if dtype == torch.float32:
+        assert error <= 1e-6 * v.double().abs().max().item()
+    else:
+        assert error <= 2**-8 * (v.double().abs().max() + exact.abs().max()).item()
+
+
 def test_kernel_runs_where_it_says_it_does():
     """The default model's shapes (bf16 where the CPU has AVX512-BF16, fp32) go to the kernel, not the reference."""
     _require_kernel()
