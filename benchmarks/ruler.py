@@ -153,11 +153,12 @@ class Generator:
         self._head = tokenizer.encode(pre, allow_special=True)
         self._post = post
 
-    def samples(self, task: str, length: int, count: int, seed: int) -> list[Sample]:
+    def samples(self, task: str, length: int, count: int, seed: int, first: int = 0) -> list[Sample]:
+        """Samples number first .. first + count - 1 of the task, length and seed (each drawn on its own)."""
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
         build = getattr(self, f"_{task}")
-        return [build(random.Random(f"{seed}:{task}:{length}:{i}"), length) for i in range(count)]
+        return [build(random.Random(f"{seed}:{task}:{length}:{i}"), length) for i in range(first, first + count)]
 
     def _sample(self, task, length, intro, document, question, answer_start, answers) -> Sample:
         prompt = self._head + self.tokenizer.encode(intro + document + question) + \
@@ -424,13 +425,15 @@ def run(args) -> None:
     def save() -> None:
         report = {"machine": machine, "model": loaded.name, "context": context,
                   "indexer": describe_indexers(indexer, for_segments), "seed": args.seed,
+                  "first_sample": args.first_sample,
                   "topk": topk, "query_topk": query_topk, "question_pools": question_pools,
                   "max_new_tokens": MAX_NEW_TOKENS, "rows": rows, "averages": averages}
         write_atomically(Path(args.json), json.dumps(report, indent=1).encode())
 
     for length in args.lengths:
         t0 = time.perf_counter()
-        samples = {task: generator.samples(task, length, args.samples, args.seed) for task in args.tasks}
+        samples = {task: generator.samples(task, length, args.samples, args.seed, args.first_sample)
+                   for task in args.tasks}
         if args.verbose:
             print(f"  generated {length}-token samples in {time.perf_counter() - t0:.1f} s", flush=True)
         longest = max(len(s.prompt) + MAX_NEW_TOKENS[s.task] for task in samples.values() for s in task)
@@ -510,6 +513,9 @@ def main() -> None:
     parser.add_argument("--readers", type=choices(READERS), default=list(READERS),
                         help="dense runs only where the prompts fit the model's context")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--first-sample", type=int, default=0, metavar="N",
+                        help="draw the samples numbered from N on: a run that adds samples to an earlier one with "
+                             "the same seed (the scores of both are then combined by hand)")
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
@@ -530,7 +536,10 @@ def main() -> None:
                         help="the prose needles hide in, as UTF-8 text (default: Python's documentation, then the "
                              "system's license texts, which differ between machines: save them to a file to draw the "
                              "same samples elsewhere)")
-    run(parser.parse_args())
+    args = parser.parse_args()
+    if args.first_sample < 0 or args.samples < 1:
+        parser.error("--first-sample must be >= 0 and --samples >= 1")
+    run(args)
 
 
 if __name__ == "__main__":

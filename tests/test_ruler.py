@@ -28,6 +28,8 @@ def test_samples_are_seeded(generator):
         assert (first[0].prompt, first[0].answers) == (again[0].prompt, again[0].answers)
         assert first[0].prompt != generator.samples(task, 4096, 1, seed=8)[0].prompt
         assert first[0].answers != first[1].answers
+        later, = generator.samples(task, 4096, 1, seed=7, first=1)  # a run that adds samples draws the next ones
+        assert (later.prompt, later.answers) == (first[1].prompt, first[1].answers)
 
 
 @pytest.mark.parametrize("length", [4096, 16384])
