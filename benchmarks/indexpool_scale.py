@@ -36,7 +36,7 @@ def hold_random_history(session, tokens: list[int]) -> int:
     cache = session.cache
     n = len(tokens) - len(tokens) % cache.settings.kpool
     generator = torch.Generator().manual_seed(0)
-    views = cache._state_views(n, cache._window_start(n))  # the buffers themselves: no second copy of the history
+    views = cache._state_views(n, cache._window_start(n))  # the buffers themselves: no copy of the history
     for name, view in views.items():
         for part in view:  # a layer at a time: bounded temporaries
             if name.endswith("_scale"):
@@ -45,7 +45,7 @@ def hold_random_history(session, tokens: list[int]) -> int:
                 part.copy_(torch.randint(-127, 128, part.shape, dtype=torch.int8, generator=generator))
             else:
                 part.copy_(torch.randn(part.shape, generator=generator).to(view.dtype))
-    cache.import_state(views)
+    cache._set_held(n)
     session.tokens = list(tokens[:n])
     return n
 

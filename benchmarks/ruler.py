@@ -522,12 +522,13 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the rows (each sample's answer too) as JSON")
     parser.add_argument("--verbose", action="store_true", help="each sample's answer and time")
     parser.add_argument("--topk", type=int, default=None,
-                        help="far tokens IndexPool selects per query (default: the engine's, 2048)")
+                        help=f"far tokens IndexPool selects per query (default: the engine's, {IndexPoolConfig.topk})")
     parser.add_argument("--query-topk", type=int, default=None,
-                        help="far tokens per query of the question and the answer (default: the engine's, 1024)")
+                        help="far tokens per query of the question and the answer (default: the engine's, "
+                             f"{IndexPoolConfig.query_topk})")
     parser.add_argument("--question-pools", type=int, default=None,
-                        help="the question's best pools kept for it and its answer (default: the engine's; 0: the "
-                             "question read once)")
+                        help="the question's best pools kept for it and its answer (default: the engine's, "
+                             f"{IndexPoolConfig.question_pools}; 0: the question read once)")
     parser.add_argument("--question-variants", metavar="SETTINGS", type=question_variants,
                         help="IndexPool also reads each question and its answer under these settings, the rest of "
                              "the prompt read once for all: ';'-separated groups of NAME=NUMBER, NAME one of "

@@ -409,7 +409,12 @@ class IndexPoolCache:
             raise ValueError("the saved cache state does not match this model and these settings")
         for name, target in self._state_views(n, ws).items():
             target.copy_(state[name])
-        self.recent_start = ws
+        self._set_held(n)
+
+    def _set_held(self, n: int) -> None:
+        """Bookkeeping of a cache whose buffers hold the state of n tokens as `_state_views(n, window start)` lays
+        it out; the state itself is the caller's to have written."""
+        self.recent_start = self._window_start(n)
         for index in self.indexes:
             index._n_tokens = [n] * index.n_layers
         self.length = n

@@ -412,6 +412,30 @@ def test_a_restored_state_continues_exactly_like_the_original(kv_storage, index_
         Session(model, 256, attention=IndexPoolConfig(**dict(SETTINGS, kpool=2, topk=8))).restore(document, state)
 
 
+@pytest.mark.parametrize("kv_storage, index_dtype", [("bf16", "bf16"), ("int8", "fp8")])
+def test_random_history_is_held_as_a_restored_state_would_be(kv_storage, index_dtype):
+    """`benchmarks.indexpool_scale --held`: the first tokens' state is random, written in place; the session then
+    reads on exactly as one that restored the same state through `import_state`."""
+    from benchmarks.indexpool_scale import hold_random_history
+
+    model = tiny_model(6)
+    settings = IndexPoolConfig(**SETTINGS, kv_storage=kv_storage, index_dtype=index_dtype)
+    document = prompts_for(12, [150])[0]
+    held = Session(model, 256, attention=settings)
+    assert hold_random_history(held, document[:139]) == 136  # cut to a pool boundary
+    assert held.cache.length == 136 and held.tokens == document[:136]
+    state = {name: t.clone() for name, t in held.export_state().items()}
+    for name, part in state.items():  # every part written: the scales 0.02, the rest random
+        assert torch.all(part == 0.02) if name.endswith("_scale") else part.float().std() > 0
+    restored = Session(model, 256, attention=settings)
+    restored.restore(document[:136], state)
+    read = Session(model, 256, attention=settings)
+    read.prefill(document[:136], query_tail=False)
+    logits = held.prefill(document)
+    assert torch.equal(logits, restored.prefill(document))
+    assert not torch.equal(logits, read.prefill(document))  # the history held is random, not the text's
+
+
 @pytest.mark.parametrize("head_dim", [8, 32])  # 32: the far part's probabilities from the C kernel where it runs
 def test_evidence_points_at_what_the_queries_attend_to(head_dim):
     """AttentionEvidence sums attention probabilities: over a span covering every key a one-token forward
