@@ -25,6 +25,9 @@ default settings and indexer, as `SessionOptions()` gives them) and `window` (`I
 sinks and the recent window only, no retrieval, as StreamingLLM). Samples share their haystack's start (as RULER's
 do) and are read in the order of their token ids, so a session re-reads a prompt only from where it leaves the one
 before (IndexPool's segments, and so its selections, then start elsewhere: scores can move a little with the order).
+A prompt is read as `indexpool ask` reads a document and a question: the chat template's start, the instruction and
+the document first, then the question with the answer's start, which IndexPool reads as a question (twice: its
+first read finds the pools it keeps, from the question's tokens only).
 
     .venv/bin/python -m benchmarks.ruler --lengths 4096,16384 --samples 5
     .venv/bin/python -m benchmarks.ruler --lengths 32768,131072 --readers indexpool,window --json ruler.json
@@ -32,7 +35,8 @@ before (IndexPool's segments, and so its selections, then start elsewhere: score
 
 `--haystack FILE` draws the samples from that text (save `common.natural_haystack()` to a file to draw the same
 ones on another machine); `--topk` sets IndexPool's far tokens per query, `--query-topk` those of the question's
-and the answer's queries, `--question-pools` the question's pools kept for them; `--json` is rewritten after every
+and the answer's queries, `--question-pools` and `--question-matches` the question's pools kept for them (its best
+scored, and the places holding its rarest wording); `--json` is rewritten after every
 row.
 
 Prints the machine, then one row per (task, length, reader): score, samples, seconds per sample and the tokens a
@@ -58,8 +62,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import chat_frame, greedy_answer, machine_description, natural_haystack
-from indexpool.model.generate import Session
+from benchmarks.common import chat_frame, greedy_answer, long_read_progress, machine_description, natural_haystack
+from indexpool.model.generate import Session, common_prefix
 from indexpool.model.indexpool_cache import IndexPoolConfig
 from indexpool.model.runtime import load_engine, set_threads
 from indexpool.model.tensor_cache import write_atomically
@@ -98,6 +102,7 @@ class Sample:
     answer_start: str  # the assistant's answer begins with it (the model continues it)
     answers: list[str]  # what the answer must name, all of it
     prompt: list[int] = field(repr=False)  # token ids: chat template, instruction, document, question, answer start
+    document_end: int = field(repr=False)  # prompt[:document_end]: the chat template's start, instruction, document
 
 
 def recall_all(answer: str, expected: list[str]) -> float:
@@ -161,9 +166,13 @@ class Generator:
         return [build(random.Random(f"{seed}:{task}:{length}:{i}"), length) for i in range(first, first + count)]
 
     def _sample(self, task, length, intro, document, question, answer_start, answers) -> Sample:
-        prompt = self._head + self.tokenizer.encode(intro + document + question) + \
-            self.tokenizer.encode(self._post + answer_start, allow_special=True)
-        return Sample(task, length, intro, document, question, answer_start, list(answers), prompt)
+        user = self._head + self.tokenizer.encode(intro + document + question)
+        prompt = user + self.tokenizer.encode(self._post + answer_start, allow_special=True)
+        asked = self.tokenizer.encode(question)
+        document_end = len(user) - len(asked)
+        if user[document_end:] != asked:  # a token straddles the document's end: the tokens before it are the document's
+            document_end = common_prefix(prompt, self._head + self.tokenizer.encode(intro + document))
+        return Sample(task, length, intro, document, question, answer_start, list(answers), prompt, document_end)
 
     def _fit(self, build, length: int) -> Sample:
         """build(size) for the size whose prompt has between (1 - TOLERANCE) * length and length tokens; size is how
@@ -353,7 +362,7 @@ def open_reader(reader: str, loaded, capacity: int, indexer, for_segments, setti
     return Session(loaded.model, capacity, attention=IndexPoolConfig(topk=0), indexer=indexer)
 
 
-QUESTION_SETTINGS = ("question_pools", "query_topk")  # what `--question-variants` may set: short forwards only
+QUESTION_SETTINGS = ("question_pools", "question_matches", "query_topk")  # what `--question-variants` may set: short forwards only
 
 
 def question_variants(text: str) -> list[dict[str, int]]:
@@ -375,28 +384,32 @@ def variant_name(settings: dict[str, int]) -> str:
     return "indexpool[" + ",".join(f"{k}={v}" for k, v in settings.items()) + "]"
 
 
-def answer_under(session: Session, sample: Sample, settings: IndexPoolConfig, max_new_tokens: int, stop_ids,
-                 label: str):
-    """`greedy_answer` with the question and the answer read under `settings` (they differ from the session's
-    in what short forwards do only), after the rest of the prompt, read as `Session.prefill` reads it: by the
-    first variant of a sample; the others find it held and read the question only (the indexer's query turned
-    for their query_topk). The tokens read count the rest of the prompt where it was read."""
-    cache, prompt = session.cache, sample.prompt
-    question_start = session.question_start(len(prompt))
+def answer_under(session: Session, sample: Sample, settings: IndexPoolConfig | None, max_new_tokens: int, stop_ids,
+                 label: str, progress: bool = False):
+    """`greedy_answer` as `indexpool ask` reads: the document first (only what the session does not hold of it
+    already), then the question, which `Session.prefill` reads as a question (twice, with IndexPool). `settings`
+    (None: the session's own) are those of the question and the answer: they differ from the session's in what
+    short forwards do only (the indexer's query turned for their query_topk). Returns the answer's token ids,
+    its GenerationStats and the tokens read (document and question)."""
+    cache, prompt, end = session.cache, sample.prompt, sample.document_end
     document_read = 0
-    if session.tokens[:question_start] != prompt[:question_start]:
-        session.prefill(prompt[:question_start], query_tail=False)
+    if session.tokens[:end] != prompt[:end]:
+        held = common_prefix(session.tokens, prompt[:end])
+        reading = long_read_progress(label, end - held) if progress else None
+        session.prefill(prompt[:end], reading, query_tail=False)
         document_read = session.last_fed_tokens
-    session.tokens = session.tokens[: cache.truncate(question_start)]
-    saved = cache.settings
-    cache.settings = settings
-    cache.indexer.read_at(settings.far_distances())
+    session.tokens = session.tokens[: cache.truncate(end)]
+    saved = getattr(cache, "settings", None)
+    if settings is not None:
+        cache.settings = settings
+        cache.indexer.read_at(settings.far_distances())
     try:
         out, stats, fed = greedy_answer(session, prompt, max_new_tokens, label, stop_ids=stop_ids)
         return out, stats, document_read + fed
     finally:
-        cache.settings = saved
-        cache.indexer.read_at(saved.far_distances())
+        if settings is not None:
+            cache.settings = saved
+            cache.indexer.read_at(saved.far_distances())
 
 
 def run(args) -> None:
@@ -407,17 +420,18 @@ def run(args) -> None:
     tokenizer = loaded.tokenizer
     settings = SessionOptions().indexpool
     asked = {name: value for name, value in (("topk", args.topk), ("query_topk", args.query_topk),
-                                             ("question_pools", args.question_pools)) if value is not None}
+                                             ("question_pools", args.question_pools),
+                                             ("question_matches", args.question_matches)) if value is not None}
     options = SessionOptions(indexpool=dataclasses.replace(settings, **asked))
     indexer, for_segments = default_indexer(options, loaded), segment_indexer(options, loaded)
     haystack = Haystack(Path(args.haystack).read_text() if args.haystack else None)
     generator = Generator(tokenizer, haystack)
     context = loaded.config.context_length
     topk, query_topk = options.indexpool.topk, options.indexpool.short_topk()
-    question_pools = options.indexpool.question_pools
+    question_pools, question_matches = options.indexpool.question_pools, options.indexpool.question_matches
     print(f"model {loaded.name} ({context} context), indexer {describe_indexers(indexer, for_segments)}, "
-          f"topk {topk}, query topk {query_topk}, question pools {question_pools}, threads {torch.get_num_threads()}, "
-          f"seed {args.seed}", flush=True)
+          f"topk {topk}, query topk {query_topk}, question pools {question_pools}, question matches {question_matches}, "
+          f"threads {torch.get_num_threads()}, seed {args.seed}", flush=True)
     print(f"{'task':<16} {'length':>7} {'reader':>9} {'score':>6} {'samples':>7} {'s/sample':>8} {'read/sample':>11}",
           flush=True)
     rows, averages = [], []
@@ -426,7 +440,7 @@ def run(args) -> None:
         report = {"machine": machine, "model": loaded.name, "context": context,
                   "indexer": describe_indexers(indexer, for_segments), "seed": args.seed,
                   "first_sample": args.first_sample,
-                  "topk": topk, "query_topk": query_topk, "question_pools": question_pools,
+                  "topk": topk, "query_topk": query_topk, "question_pools": question_pools, "question_matches": question_matches,
                   "max_new_tokens": MAX_NEW_TOKENS, "rows": rows, "averages": averages}
         write_atomically(Path(args.json), json.dumps(report, indent=1).encode())
 
@@ -454,12 +468,8 @@ def run(args) -> None:
                     for name, settings in variants:
                         t0 = time.perf_counter()
                         label = f"{task} {length}:{name}"
-                        if len(variants) == 1:
-                            out, _, fed = greedy_answer(session, sample.prompt, MAX_NEW_TOKENS[task], label,
-                                                        stop_ids=tokenizer.stop_ids, progress=args.verbose)
-                        else:
-                            out, _, fed = answer_under(session, sample, settings or options.indexpool,
-                                                       MAX_NEW_TOKENS[task], tokenizer.stop_ids, label)
+                        out, _, fed = answer_under(session, sample, settings, MAX_NEW_TOKENS[task],
+                                                   tokenizer.stop_ids, label, progress=args.verbose)
                         seconds[name].append(time.perf_counter() - t0)
                         read[name].append(fed)
                         answer = tokenizer.decode(out)
@@ -528,7 +538,10 @@ def main() -> None:
                              f"{IndexPoolConfig.query_topk})")
     parser.add_argument("--question-pools", type=int, default=None,
                         help="the question's best pools kept for it and its answer (default: the engine's, "
-                             f"{IndexPoolConfig.question_pools}; 0: the question read once)")
+                             f"{IndexPoolConfig.question_pools}; 0 with --question-matches 0: the question read once)")
+    parser.add_argument("--question-matches", type=int, default=None,
+                        help="the places holding the question's rarest token pairs kept for it and its answer "
+                             f"(default: the engine's, {IndexPoolConfig.question_matches})")
     parser.add_argument("--question-variants", metavar="SETTINGS", type=question_variants,
                         help="IndexPool also reads each question and its answer under these settings, the rest of "
                              "the prompt read once for all: ';'-separated groups of NAME=NUMBER, NAME one of "

@@ -22,7 +22,8 @@ class AttentionChoice:
     kpool: Annotated[int, typer.Option("--kpool", min=1, help="IndexPool: tokens merged into one pooled index key.")] = IndexPoolConfig.kpool
     topk: Annotated[int, typer.Option("--topk", min=1, help="IndexPool: far tokens each query attends to (a multiple of kpool).")] = IndexPoolConfig.topk
     query_topk: Annotated[int, typer.Option("--query-topk", min=0, help="IndexPool: far tokens each token of the question and the answer attends to once there are more than --topk to choose from (a multiple of kpool; --topk caps it; fewer, better-ranked far tokens distract the model less: docs/benchmarks.md).")] = IndexPoolConfig.query_topk
-    question_pools: Annotated[int, typer.Option("--question-pools", min=0, help="IndexPool: the question is read twice, first to find the pools of the document its tokens point to most; this many of them (each with its neighbours: 32 tokens) are kept in the selection of the question's and the answer's tokens (0: read once; docs/benchmarks.md).")] = IndexPoolConfig.question_pools
+    question_pools: Annotated[int, typer.Option("--question-pools", min=0, help="IndexPool: the question is read twice, first to find the pools of the document its tokens point to most; this many of them (each with its neighbours: 32 tokens) are kept in the selection of the question's and the answer's tokens (0, with --question-matches 0: read once; docs/benchmarks.md).")] = IndexPoolConfig.question_pools
+    question_matches: Annotated[int, typer.Option("--question-matches", min=0, help="IndexPool: also keep up to this many places of the document holding the question's rarest word pairs (each with its neighbours: 32 tokens), ahead of --question-pools (0: none; docs/benchmarks.md).")] = IndexPoolConfig.question_matches
     window: Annotated[int, typer.Option("--window", min=1, help="IndexPool: recent tokens always attended.")] = IndexPoolConfig.window
     sinks: Annotated[int, typer.Option("--sinks", min=0, help="IndexPool: first tokens always attended.")] = IndexPoolConfig.sinks
     sink_distance: Annotated[int, typer.Option("--sink-distance", min=0, help="IndexPool: how far back the sinks sit once far tokens are selected (a gap before the far tokens, as far as the model's context allows; 0: right before them). The default keeps them past the distance where the default model makes new attention sinks (docs/benchmarks.md).")] = IndexPoolConfig.sink_distance
@@ -35,7 +36,8 @@ class AttentionChoice:
 
     def settings(self) -> IndexPoolConfig:
         return IndexPoolConfig(kpool=self.kpool, topk=self.topk, query_topk=self.query_topk,
-                               question_pools=self.question_pools, window=self.window,
+                               question_pools=self.question_pools, question_matches=self.question_matches,
+                               window=self.window,
                                sinks=self.sinks, sink_distance=self.sink_distance,
                                index_dtype=self.index_dtype, kv_storage=self.kv_storage,
                                schedule=[kind.strip() for kind in self.indexer_schedule.split(",")],

@@ -204,7 +204,8 @@ class Session:
             if e > s:
                 forward = partial(self.model, new[:, s:e], keep + s, self.cache)
                 # A question is read twice: first for its pools (`IndexPoolCache.read_question`).
-                logits = self.cache.read_question(forward) if asks and s == body and asks(e - s) else forward()
+                logits = self.cache.read_question(forward, prompt) if asks and s == body and asks(e - s) \
+                    else forward()
                 if on_progress:
                     on_progress(e, total)
         self.tokens = list(prompt)

@@ -47,7 +47,12 @@ Questions (`question_pools`). `Session.prefill` reads a prompt's last tokens (a 
 or more) twice. The first read (`read_question`) finds the pools its tokens single out most: for each pool, the
 largest of its queries' scores for it, each summed over the scoring layers. Those few pools, with their neighbours
 (`QUESTION_SPAN`), are kept ahead of every other in each per-query selection of the second read and of the answer's
-tokens after it. A question names what it asks for (a needle's key), and the tokens that name it find the key's
+tokens after it, and so, ahead of them, are the places where the document holds the question's rarest wording
+(`question_matches`, `matching_pools`: pairs of consecutive question tokens met at most MATCH_MAX_COUNT times in the
+document, each weighted by its rarity); the pools the question scores best after those fill the rest of those
+forwards' far tokens (query_topk), none left to each query's own choice. At 128K the question's scored pools held 2
+of a multi-value needle's 4 values, its rarest pairs all 4; and the queries' own choices, beside kept pools that
+held every needle, took the answers off them, where the needles alone were copied (docs/benchmarks.md). A question names what it asks for (a needle's key), and the tokens that name it find the key's
 few occurrences; the query that must write the answer matches the needle's form ("the number is:"), not its key,
 and ranks the key's pool far lower (RULER-style niah_single at 32K, the default model, 10 samples: the answer's
 first query selected the value's pool in none of the 15 scoring layers in 3 samples, its median rank 100-1,900 of
@@ -85,6 +90,9 @@ from .llama import LlamaConfig, inverse_frequencies, zeroed
 # Around each of a question's best pools, the pools kept with it: a needle's key sits a few tokens before its value,
 # and the pool a question's tokens single out is the key's (from 12 tokens before it to 20 after).
 QUESTION_SPAN = range(-3, 5)
+# A pair of consecutive tokens met more often than this in a document names nothing in particular (`matching_pools`).
+MATCH_MAX_COUNT = 32
+TOKEN_PAIR_BASE = 1 << 32  # a pair of token ids as one int64: first * base + second
 INDEX_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8_DTYPE}
 KV_STORAGE = ("auto", "bf16", "int8", "full")
 
@@ -93,7 +101,7 @@ KV_STORAGE = ("auto", "bf16", "int8", "full")
 class IndexPoolConfig:
     kpool: int = 4
     topk: int = 2048  # far tokens per query (topk // kpool pools); 0: none, sinks and the recent window only
-    query_topk: int = 512  # far tokens per query in short forwards (a question, an answer); topk caps it
+    query_topk: int = 256  # far tokens per query in short forwards (a question, an answer); topk caps it
     window: int = 1024  # recent tokens always attended ("L1")
     sinks: int = 64  # first tokens always attended
     sink_distance: int = 4096  # once far tokens are selected, the sinks sit at least this far back (module docstring)
@@ -109,7 +117,8 @@ class IndexPoolConfig:
     offload_dir: str | None = None  # keep history K/V in a memory-mapped file in this directory
     schedule: Sequence[str] | None = ("full", "shared")  # a pattern repeated over the layers; None: all full
     cumulative_scores: bool = True  # per-query selections rank pools by their scores summed over the layers so far
-    question_pools: int = 8  # a question's best pools, each with QUESTION_SPAN around it, kept for it and its answer
+    question_pools: int = 4  # a question's best pools, each with QUESTION_SPAN around it, kept for it and its answer
+    question_matches: int = 4  # places holding the question's rarest token pairs (`matching_pools`), kept likewise
 
     def sink_gap(self, context_length: int) -> int:
         """Positions left empty between the sinks and the far tokens while far tokens are selected: what puts the
@@ -148,7 +157,7 @@ class IndexPoolConfig:
              f"sinks + topk + window + segment ({self.sinks} + {self.topk} + {self.window} + {self.segment}) must "
              f"fit in the model's trained context of {context_length} tokens (with a pool to spare)")
         need(self.segment_queries >= 1, "segment queries must be >= 1")
-        need(self.question_pools >= 0, "question pools must be >= 0")
+        need(self.question_pools >= 0 and self.question_matches >= 0, "question pools and matches must be >= 0")
         need(self.segment_candidates >= self.topk // self.kpool,
              f"segment candidates must be at least the pools selected (topk / kpool = {self.topk // self.kpool})")
         need(self.index_dtype in INDEX_DTYPES, f"index dtype must be one of {', '.join(INDEX_DTYPES)}")
@@ -159,13 +168,44 @@ class IndexPoolConfig:
             need(os.path.isdir(self.offload_dir), f"offload directory {self.offload_dir} does not exist")
 
 
-def question_pools(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """The pools (indices into scores (P,), best first) a question keeps: its `count` best by `scores`, each with
-    the pools of QUESTION_SPAN around it, once each."""
-    top = scores.topk(min(count, scores.shape[0])).indices
-    span = torch.tensor(QUESTION_SPAN, device=scores.device)
-    spans = (top[:, None] + span).flatten().clamp(0, scores.shape[0] - 1)
-    return torch.tensor(list(dict.fromkeys(spans.tolist())), dtype=torch.long, device=scores.device)
+def question_pools(tops: torch.Tensor, n_pools: int) -> torch.Tensor:
+    """The pools (indices into n_pools) a question keeps: each of `tops` (best first) with the pools of
+    QUESTION_SPAN around it, once each, in that order."""
+    span = torch.tensor(QUESTION_SPAN, device=tops.device)
+    spans = (tops[:, None] + span).flatten().clamp(0, n_pools - 1)
+    return torch.tensor(list(dict.fromkeys(spans.tolist())), dtype=torch.long, device=tops.device)
+
+
+def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, count: int) -> torch.Tensor:
+    """Where `document` (token ids, starting at a pool boundary) holds the question's rarest wording: the pools
+    (indices into document's complete pools, best first, at most `count`, no two within a QUESTION_SPAN of each
+    other) holding pairs of consecutive question tokens. Each occurrence of a pair met at most MATCH_MAX_COUNT times
+    in the document adds log(pairs in the document / its count) to its pool; a pool ranks by its own sum, twice,
+    and its two neighbours' (a phrase spans pool boundaries)."""
+    n_pools = len(document) // kpool
+    if count <= 0 or n_pools == 0 or len(question) < 2:
+        return torch.empty(0, dtype=torch.long, device=document.device)
+    pairs = document[:-1] * TOKEN_PAIR_BASE + document[1:]
+    wanted = torch.unique(question[:-1] * TOKEN_PAIR_BASE + question[1:])
+    at = torch.isin(pairs, wanted).nonzero().flatten()
+    _, which, counts = torch.unique(pairs[at], return_inverse=True, return_counts=True)
+    rare = counts[which] <= MATCH_MAX_COUNT
+    at, weight = at[rare], torch.log(len(pairs) / counts[which][rare].double())
+    own = torch.zeros(n_pools + 1, dtype=torch.float64, device=document.device)
+    own.index_add_(0, at // kpool, weight)  # a pair starting in the last, incomplete pool lands in the spare slot
+    own = own[:n_pools]
+    score = 2 * own
+    score[1:] += own[:-1]
+    score[:-1] += own[1:]
+    candidates = score.nonzero().flatten()
+    chosen: list[int] = []
+    reach = len(QUESTION_SPAN) - 1  # two chosen pools further apart than this keep spans that do not overlap
+    for pool in candidates[score[candidates].argsort(descending=True, stable=True)].tolist():
+        if all(abs(pool - other) > reach for other in chosen):
+            chosen.append(pool)
+            if len(chosen) == count:
+                break
+    return torch.tensor(chosen, dtype=torch.long, device=document.device)
 
 
 def keep_question_pools(scores: torch.Tensor, pools: torch.Tensor) -> torch.Tensor:
@@ -517,11 +557,13 @@ class IndexPoolCache:
         that kept the question: the same tokens, read again from a pool boundary)."""
         s = self.settings
         rereads = self.question_pools is not None and self.length < self.question_end  # the question's own tail
-        return bool(s.question_pools) and length >= 2 and self.length % s.kpool == 0 and not rereads and \
+        return bool(s.question_pools or s.question_matches) and length >= 2 and self.length % s.kpool == 0 and not rereads and \
             self._reading_plan(self._window_start(self.length), length)[-1]
 
-    def read_question(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Read a question (see `asks`) twice; `forward()` runs the model over its tokens and returns the logits.
+    def read_question(self, forward: Callable[[], torch.Tensor], tokens: Sequence[int] | None = None) -> torch.Tensor:
+        """Read a question (see `asks`) twice; `forward()` runs the model over its tokens and returns the logits;
+        `tokens`, the prompt's ids (those held, then the question's), adds the pools holding the question's rarest
+        wording (`matching_pools`) ahead of those its queries score best.
 
         The first read finds the question's pools and takes the evidence: where the question looks of itself (in
         the second read every token's selection holds the kept pools, which would draw its attention to them
@@ -536,9 +578,21 @@ class IndexPoolCache:
         finally:
             self.scouting_question, self.on_select = False, hook
             self.truncate(start)
-        pools, s = self.scouted, self.settings
-        if pools is not None:  # indices into the scored pools, which start at the first after the sinks
-            pools = question_pools(pools, s.question_pools) + self.n_sinks // s.kpool
+        scores, s, pools = self.scouted, self.settings, None
+        if scores is not None:  # per pool scored: from the first after the sinks to the window's start
+            first = self.n_sinks // s.kpool
+            tops = scores.topk(min(s.question_pools, len(scores))).indices
+            if tokens is not None and s.question_matches:
+                matched = matching_pools(torch.tensor(tokens[first * s.kpool: self.ws]), torch.tensor(tokens[start:end]),
+                                         s.kpool, s.question_matches)
+                tops = torch.cat([matched.to(tops.device), tops])
+            pools = question_pools(tops, len(scores))
+            # The rest of a short forward's far tokens: the pools the question scores best after those, not each
+            # query's own choice (every far token beside the kept ones dilutes them, the more so the longer the
+            # document: at 128K the queries' own choices took the answer off the needles the kept pools held).
+            more = scores.argsort(descending=True, stable=True)
+            more = more[~torch.isin(more, pools)][: max(0, s.short_topk() // s.kpool - len(pools))]
+            pools = torch.cat([pools, more]) + first
         self.question_pools, self.question_start, self.question_end = pools, start, end
         self.scouted, evidence, self.evidence = None, self.evidence, None
         try:

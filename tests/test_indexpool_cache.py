@@ -6,6 +6,8 @@ real cache instead slides a window buffer, gathers from a (possibly int8 or memo
 across a segment, and merges two attention parts by their log-sum-exps; both must give the same logits.
 """
 
+import math
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -15,7 +17,8 @@ import torch
 from indexpool.model.generate import Session
 from indexpool.model.indexers import TrainingFreeIndexer
 from indexpool.model.indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes, pool_keys
-from indexpool.model.indexpool_cache import INDEX_DTYPES, IndexPoolCache, IndexPoolConfig, place_far_tokens
+from indexpool.model.indexpool_cache import (INDEX_DTYPES, MATCH_MAX_COUNT, IndexPoolCache, IndexPoolConfig,
+                                             place_far_tokens)
 from indexpool.model.lightning_indexer import LightningIndexer, LightningIndexerConfig, ModelFingerprint
 from indexpool.kernels.rope import apply_rope, rope_at
 from indexpool.kernels.cpu_attention import native_attention_takes
@@ -34,6 +37,26 @@ def tiny_model(seed: int = 0, config: LlamaConfig = CONFIG) -> Transformer:
         for layer in model.layers:  # larger q/k weights make attention peaked, so selection matters
             layer.attention.wqkv.weight.mul_(4)
     return model
+
+
+def reference_matching_pools(document, question, kpool, count):
+    """`matching_pools`, one pair at a time: each occurrence in the document of a pair of consecutive question
+    tokens met at most MATCH_MAX_COUNT times there adds log(pairs / its count) to its pool; pools rank by twice that
+    sum plus their neighbours', and are taken best first (ties: the earlier), none within 7 pools of one taken."""
+    pairs = list(zip(document, document[1:]))
+    wanted, counts = set(zip(question, question[1:])), Counter(pairs)
+    own = [0.0] * (len(document) // kpool)
+    for i, pair in enumerate(pairs):
+        if pair in wanted and counts[pair] <= MATCH_MAX_COUNT and i // kpool < len(own):
+            own[i // kpool] += math.log(len(pairs) / counts[pair])
+    score = [2 * own[p] + (own[p - 1] if p else 0.0) + (own[p + 1] if p + 1 < len(own) else 0.0) for p in range(len(own))]
+    chosen = []
+    for p in sorted(range(len(score)), key=lambda p: -score[p]):
+        if score[p] <= 0 or len(chosen) == count:
+            break
+        if all(abs(p - c) > 7 for c in chosen):
+            chosen.append(p)
+    return chosen
 
 
 class ReferenceCache:
@@ -72,15 +95,29 @@ class ReferenceCache:
         s = self.s
         ws = max(0, (self.length - s.window) // s.kpool * s.kpool)
         inside = self.question is not None and self.length < self.question_end
-        return s.question_pools > 0 and 2 <= length <= s.query_tokens and self.length % s.kpool == 0 and \
+        return (s.question_pools or s.question_matches) > 0 and 2 <= length <= s.query_tokens and self.length % s.kpool == 0 and \
             ws - min(s.sinks, ws) > s.topk and min(s.query_topk, s.topk) > 0 and not inside
 
-    def read_question(self, forward):
+    def read_question(self, forward, tokens=None):
         start, self.scouting_question, self.scouted = self.length, True, None
         forward()
         end, self.scouting_question = self.length, False
         self.truncate(start)
-        self.question, self.question_start, self.question_end = self.scouted, start, end
+        pools = None
+        if self.scouted is not None:  # the question's best pools by any of its queries, each with 3 before, 4 after
+            best, first, P, scores = self.scouted
+            s, pools = self.s, []
+            matched = [] if tokens is None else \
+                reference_matching_pools(tokens[first * s.kpool: (first + P) * s.kpool], tokens[start:end], s.kpool,
+                                         s.question_matches)
+            for p in matched + best:
+                for d in range(-3, 5):
+                    if min(max(p + d, 0), P - 1) + first not in pools:
+                        pools.append(min(max(p + d, 0), P - 1) + first)
+            budget = min(s.query_topk, s.topk) // s.kpool  # filled up with the next best the question scores
+            more = [p + first for p in sorted(range(P), key=lambda p: -scores[p]) if p + first not in pools]
+            pools += more[: max(0, budget - len(pools))]
+        self.question, self.question_start, self.question_end = pools, start, end
         return forward()
 
     def begin(self, start, length):
@@ -129,13 +166,9 @@ class ReferenceCache:
                 scores = scores + self.summed_scores
             self.summed_scores = scores
         P = scores.shape[1]
-        if self.scouting_question:  # the question's best pools by any of its queries, each with 3 before, 4 after
-            best, pools = scores.max(0).values, []
-            for p in best.topk(min(s.question_pools, P)).indices.tolist():
-                for d in range(-3, 5):
-                    if min(max(p + d, 0), P - 1) + first not in pools:
-                        pools.append(min(max(p + d, 0), P - 1) + first)
-            self.scouted = pools
+        if self.scouting_question:  # the last layer to score has the scores summed over all of them
+            best = scores.max(0).values
+            self.scouted = best.topk(min(s.question_pools, P)).indices.tolist(), first, P, best
         kept = [] if self.scouting_question or self.question is None else \
             [p - first for p in self.question if 0 <= p - first < P]
         blocks = [(b, min(b + s.query_block, T)) for b in range(0, T, s.query_block)]
@@ -283,7 +316,7 @@ def test_shared_indexer_layers_reuse_the_full_layers_selection():
     torch.testing.assert_close(run_session(model, settings, prompt), run_session(model, settings, prompt, reference=True),
                                atol=2e-4, rtol=0)
     # Without a question's pools, which fill the 2 pools a query takes here alike in every layer.
-    session = Session(model, 256, attention=IndexPoolConfig(**settings, question_pools=0))
+    session = Session(model, 256, attention=IndexPoolConfig(**settings, question_pools=0, question_matches=0))
     seen = {}
     session.prefill(prompt[0], on_select=lambda layer, positions, far: seen.__setitem__(layer, far))
     assert seen[1] is seen[0] and not torch.equal(seen[2], seen[0])
@@ -592,7 +625,7 @@ def test_settings_are_validated():
         IndexPoolConfig(sink_distance=-1).validate(8192)
     with pytest.raises(ValueError, match="query topk must be 0 or a positive multiple"):
         IndexPoolConfig(query_topk=1026).validate(8192)
-    assert IndexPoolConfig(topk=512).short_topk() == 512 and IndexPoolConfig(query_topk=256).short_topk() == 256
+    assert IndexPoolConfig(topk=128).short_topk() == 128 and IndexPoolConfig(query_topk=64).short_topk() == 64
 
 
 def test_short_forwards_take_query_topk_far_tokens_once_they_select():
@@ -693,13 +726,41 @@ def test_an_fp32_models_decode_steps_score_the_stored_pools(monkeypatch):
 def test_a_questions_pools_span_its_best_pools_once_each():
     from indexpool.model.indexpool_cache import QUESTION_SPAN, question_pools
 
-    scores = torch.zeros(20)
-    scores[[1, 10, 12]] = torch.tensor([3.0, 5.0, 4.0])
     # 10 first with its span (7..14), then 12's pools not yet taken (15, 16), then 1's (clamped at 0; 2..5 new).
-    assert question_pools(scores, 3).tolist() == [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 0, 1, 2, 3, 4, 5]
-    assert question_pools(scores[:12], 1).tolist() == [7, 8, 9, 10, 11]  # clamped at the last pool, once
-    assert question_pools(torch.ones(2), 5).tolist() == [0, 1]  # more asked than there are pools
+    assert question_pools(torch.tensor([10, 12, 1]), 20).tolist() == [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 0, 1, 2, 3,
+                                                                      4, 5]
+    assert question_pools(torch.tensor([10]), 12).tolist() == [7, 8, 9, 10, 11]  # clamped at the last pool, once
+    assert question_pools(torch.tensor([1, 0]), 2).tolist() == [0, 1]
+    assert question_pools(torch.tensor([], dtype=torch.long), 5).tolist() == []
     assert len(QUESTION_SPAN) == 8
+
+
+def test_matching_pools_find_the_questions_rarest_wording():
+    """The pools holding pairs of the question's consecutive tokens, the rarest pairs weighing most; a pair met more
+    than MATCH_MAX_COUNT times counts nothing; two pools taken are more than a span apart."""
+    from indexpool.model.indexpool_cache import matching_pools
+
+    common = [5, 6] * (MATCH_MAX_COUNT + 1)  # the pair (5, 6) too often, and (6, 5) too
+    document = [1] * 200
+    document[0: len(common)] = common
+    document[120:122] = [7, 8]  # once: the rarest
+    document[80:82] = [9, 10]  # three times: here, at 160 and at 170, which lies within a span of 160's pool
+    document[160:162] = [9, 10]
+    document[170:172] = [9, 10]
+    question = [3, 5, 6, 7, 8, 2, 9, 10]
+    pools = matching_pools(torch.tensor(document), torch.tensor(question), 4, 8).tolist()
+    assert pools == reference_matching_pools(document, question, 4, 8)
+    assert pools == [30, 20, 40]  # the rarest pair's pool (120 // 4), then 80's and 160's, not 170's
+    assert matching_pools(torch.tensor(document), torch.tensor(question), 4, 1).tolist() == [30]
+    assert matching_pools(torch.tensor(document), torch.tensor([2, 3, 4]), 4, 8).tolist() == []  # nothing shared
+    assert matching_pools(torch.tensor(document[:3]), torch.tensor(question), 4, 8).tolist() == []  # no whole pool
+    # Random ids, awkward lengths: the same pools as the reference, one pair at a time.
+    generator = torch.Generator().manual_seed(0)
+    for n in (5, 63, 401):
+        document = torch.randint(0, 12, (n,), generator=generator)
+        question = torch.randint(0, 12, (9,), generator=generator)
+        assert matching_pools(document, question, 4, 5).tolist() == \
+            reference_matching_pools(document.tolist(), question.tolist(), 4, 5)
 
 
 def test_kept_question_pools_come_first_in_their_order():
@@ -722,8 +783,8 @@ def test_a_question_is_read_twice_and_its_answer_keeps_its_pools():
 
     config = replace(CONFIG, context_length=256)
     model = tiny_model(4, config)
-    settings = IndexPoolConfig(**SETTINGS | dict(topk=64, query_topk=64, query_tokens=12, question_pools=1, segment_candidates=16,
-                                                 kv_storage="full"))
+    settings = IndexPoolConfig(**SETTINGS | dict(topk=64, query_topk=64, query_tokens=12, question_pools=1,
+                                                 question_matches=0, segment_candidates=16, kv_storage="full"))
     prompt = prompts_for(8, [300])[0]
     session, seen = Session(model, 400, attention=settings), []
     evidence = AttentionEvidence(0, 300)
@@ -737,16 +798,18 @@ def test_a_question_is_read_twice_and_its_answer_keeps_its_pools():
     assert once.cache.question_pools is None and alone.queries == 12
     assert torch.equal(evidence.mass, alone.mass) and evidence.mass.sum() > 0
     kept = cache.question_pools
-    assert kept is not None and len(kept) == 8 and (cache.question_start, cache.question_end) == (288, 300)
-    kept_tokens = set((kept[:, None] * 4 + torch.arange(4)).flatten().tolist())
+    # Its best pool's span (3 before, 4 after), then the next best it scores, up to the 16 pools query_topk takes.
+    assert kept is not None and len(kept) == 16 and (cache.question_start, cache.question_end) == (288, 300)
+    assert kept[:8].tolist() == list(range(int(kept[3]) - 3, int(kept[3]) + 5))
+    kept_tokens = set((kept[:, None] * 4 + torch.arange(4)).flatten().tolist()) | set(range(settings.sinks))
     question = [far for queries, far in seen if len(queries) == 12]
     assert len(question) == CONFIG.n_layers  # one read seen: the scouting read calls no hook
-    assert all(kept_tokens <= set(row.tolist()) for far in question for row in far)
-    # The answer's tokens (decode steps) select with the question's pools too.
+    assert all(kept_tokens == set(row.tolist()) for far in question for row in far)  # those and the sinks only
+    # The answer's tokens (decode steps) select the question's pools too.
     token = logits.argmax().view(1, 1)
     with cache.reading(on_select=lambda layer, queries, far: seen.append((queries.tolist(), far))):
         model(token, 300, cache)
-    assert all(kept_tokens <= set(far[0].tolist()) for queries, far in seen if queries == [300])
+    assert all(kept_tokens == set(far[0].tolist()) for queries, far in seen if queries == [300])
     assert torch.equal(cache.question_pools, kept)
     # A truncation that keeps the question keeps them (the tokens re-read from the pool boundary are the same);
     # another question on the same document replaces them; a truncation that cuts it drops them.

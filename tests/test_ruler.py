@@ -39,6 +39,11 @@ def test_prompts_are_the_chat_template_within_1_percent_of_the_length(generator,
             user = sample.instruction + sample.document + sample.question
             text = default_tokenizer.render_chat([{"role": "user", "content": user}]) + sample.answer_start
             assert sample.prompt == default_tokenizer.encode(text, allow_special=True)
+            # The document ends where the question starts (a token across the two is left to the question).
+            before, after = (default_tokenizer.decode(ids) for ids in (sample.prompt[: sample.document_end],
+                                                                        sample.prompt[sample.document_end:]))
+            assert before + after == text and sample.question in after and after.endswith(sample.answer_start)
+            assert 0 <= len(after) - len(text) + text.index(sample.question) < 16
             assert 0.99 * length <= len(sample.prompt) <= length, (task, len(sample.prompt))
 
 
@@ -161,8 +166,9 @@ def test_question_variants_read_the_rest_of_the_prompt_once():
     # 150 and 174 tokens: the rest of each prompt is read in segments longer than query_tokens (a short last one
     # would select per query, with the first variant's query_topk).
     first, other = prompts_for(11, [150])[0], prompts_for(12, [174])[0]
-    samples = [Sample("niah_single", 200, "", "", "", "", ["1"], prompt) for prompt in
-               (first, first[:130] + other[130:])]  # the second shares the first's start, not its question
+    # Each one's "document": what Session.prefill reads before a question of query_tokens (6) at a pool boundary.
+    samples = [Sample("niah_single", 200, "", "", "", "", ["1"], prompt, document_end) for prompt, document_end in
+               ((first, 144), (first[:130] + other[130:], 168))]  # the second shares the first's start, not its question
     session = Session(model, 200, attention=default, segment_indexer=segments)
     answers = [[answer_under(session, sample, settings, 5, frozenset(), "test") for settings in variants]
                for sample in samples]
