@@ -70,4 +70,4 @@ def test_scores_at_one_distance_are_the_rotated_queries_softmax_over_pools():
 
 def test_a_short_forward_reads_its_far_tokens_from_the_window_back_to_the_window_and_query_topk():
     assert IndexPoolConfig(window=1024, topk=2048, query_topk=1024).far_distances() == (1024, 2048)
-    assert IndexPoolConfig(window=1024, topk=512).far_distances() == (1024, 1536)  # topk caps query_topk
+    assert IndexPoolConfig(window=1024, topk=512, query_topk=1024).far_distances() == (1024, 1536)  # topk caps it
