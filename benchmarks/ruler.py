@@ -170,7 +170,7 @@ class Generator:
         prompt = user + self.tokenizer.encode(self._post + answer_start, allow_special=True)
         asked = self.tokenizer.encode(question)
         document_end = len(user) - len(asked)
-        if user[document_end:] != asked:  # a token straddles the document's end: the tokens before it are the document's
+        if user[document_end:] != asked:  # a token straddles the document's end: the document is what lies before it
             document_end = common_prefix(prompt, self._head + self.tokenizer.encode(intro + document))
         return Sample(task, length, intro, document, question, answer_start, list(answers), prompt, document_end)
 

@@ -52,9 +52,10 @@ tokens after it, and so, ahead of them, are the places where the document holds 
 document, each weighted by its rarity); the pools the question scores best after those fill the rest of those
 forwards' far tokens (query_topk), none left to each query's own choice. At 128K the question's scored pools held 2
 of a multi-value needle's 4 values, its rarest pairs all 4; and the queries' own choices, beside kept pools that
-held every needle, took the answers off them, where the needles alone were copied (docs/benchmarks.md). A question names what it asks for (a needle's key), and the tokens that name it find the key's
-few occurrences; the query that must write the answer matches the needle's form ("the number is:"), not its key,
-and ranks the key's pool far lower (RULER-style niah_single at 32K, the default model, 10 samples: the answer's
+held every needle, took the answers off them, where the needles alone were copied (docs/benchmarks.md).
+A question names what it asks for (a needle's key), and the tokens that name it find the key's few occurrences;
+the query that must write the answer matches the needle's form ("the number is:"), not its key, and ranks the
+key's pool far lower (RULER-style niah_single at 32K, the default model, 10 samples: the answer's
 first query selected the value's pool in none of the 15 scoring layers in 3 samples, its median rank 100-1,900 of
 7,800; the question's kept pools held it in 9; docs/benchmarks.md).
 An optional second indexer (`segment_indexer`: `--indexer hybrid`), with a pooled index of its own, makes the
@@ -557,8 +558,8 @@ class IndexPoolCache:
         that kept the question: the same tokens, read again from a pool boundary)."""
         s = self.settings
         rereads = self.question_pools is not None and self.length < self.question_end  # the question's own tail
-        return bool(s.question_pools or s.question_matches) and length >= 2 and self.length % s.kpool == 0 and not rereads and \
-            self._reading_plan(self._window_start(self.length), length)[-1]
+        return bool(s.question_pools or s.question_matches) and length >= 2 and self.length % s.kpool == 0 and \
+            not rereads and self._reading_plan(self._window_start(self.length), length)[-1]
 
     def read_question(self, forward: Callable[[], torch.Tensor], tokens: Sequence[int] | None = None) -> torch.Tensor:
         """Read a question (see `asks`) twice; `forward()` runs the model over its tokens and returns the logits;
@@ -583,8 +584,8 @@ class IndexPoolCache:
             first = self.n_sinks // s.kpool
             tops = scores.topk(min(s.question_pools, len(scores))).indices
             if tokens is not None and s.question_matches:
-                matched = matching_pools(torch.tensor(tokens[first * s.kpool: self.ws]), torch.tensor(tokens[start:end]),
-                                         s.kpool, s.question_matches)
+                document, question = torch.tensor(tokens[first * s.kpool: self.ws]), torch.tensor(tokens[start:end])
+                matched = matching_pools(document, question, s.kpool, s.question_matches)
                 tops = torch.cat([matched.to(tops.device), tops])
             pools = question_pools(tops, len(scores))
             # The rest of a short forward's far tokens: the pools the question scores best after those, not each
