@@ -20,7 +20,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def cpu_has_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls run natively (on older CPUs they are emulated and slower than fp32)."""
+    """AVX512-BF16 or AMX: bf16 matmuls run natively (on older CPUs they are emulated and slower than fp32). Not
+    where PyTorch was told to keep to AVX2 or less (`ATEN_CPU_CAPABILITY=avx2`): its bf16 kernels run emulated then,
+    and the engine computes in fp32 as it would on an AVX2 CPU."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
     checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     return any(check() for check in checks if check is not None)
 

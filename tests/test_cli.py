@@ -183,6 +183,13 @@ def test_chat_two_turns_json(default_tokenizer, default_gguf_metadata):
     assert replies[1]["prompt_tokens"] == len(tok.encode_chat(second))
 
 
+def test_pytorch_kept_to_avx2_makes_the_engine_compute_in_fp32():
+    """`ATEN_CPU_CAPABILITY=avx2`, PyTorch's own switch, stands for an AVX2 CPU (its bf16 kernels emulated):
+    --dtype auto is fp32 whatever this CPU has."""
+    facts = json.loads(ok(indexpool("info", "--json", env=cli_env(ATEN_CPU_CAPABILITY="avx2"), process=True)))
+    assert facts["dtype"] == "float32"
+
+
 def test_info_json(default_gguf_metadata):
     from indexpool.model.default_model import default_model_path
     from indexpool.model.gguf_file import read_gguf
