@@ -362,25 +362,29 @@ def open_reader(reader: str, loaded, capacity: int, indexer, for_segments, setti
     return Session(loaded.model, capacity, attention=IndexPoolConfig(topk=0), indexer=indexer)
 
 
-QUESTION_SETTINGS = ("question_pools", "question_matches", "query_topk")  # what `--question-variants` may set: short forwards only
+# What `--question-variants` may set (short forwards only), and each setting's type.
+QUESTION_SETTINGS = {"question_pools": int, "question_matches": int, "query_topk": int, "match_repeat_share": float}
 
 
-def question_variants(text: str) -> list[dict[str, int]]:
-    """'question_pools=0,query_topk=1024;question_pools=2' -> [{...}, {...}] (argparse type)."""
+def question_variants(text: str) -> list[dict[str, float]]:
+    """'question_pools=0,query_topk=1024;match_repeat_share=0.5' -> [{...}, {...}] (argparse type)."""
     variants = []
     for group in text.split(";"):
         settings = {}
         for item in group.split(","):
-            name, _, value = item.partition("=")
-            if name.strip() not in QUESTION_SETTINGS or not value.strip().isdigit():
+            name, _, value = (part.strip() for part in item.partition("="))
+            try:
+                settings[name] = QUESTION_SETTINGS[name](value)
+            except (KeyError, ValueError):
                 raise argparse.ArgumentTypeError(f"{item!r}: expected NAME=NUMBER with NAME one of "
-                                                 f"{', '.join(QUESTION_SETTINGS)}")
-            settings[name.strip()] = int(value)
+                                                 f"{', '.join(QUESTION_SETTINGS)}") from None
+            if settings[name] < 0:
+                raise argparse.ArgumentTypeError(f"{item!r}: a setting is 0 or more")
         variants.append(settings)
     return variants
 
 
-def variant_name(settings: dict[str, int]) -> str:
+def variant_name(settings: dict[str, float]) -> str:
     return "indexpool[" + ",".join(f"{k}={v}" for k, v in settings.items()) + "]"
 
 
@@ -429,8 +433,10 @@ def run(args) -> None:
     context = loaded.config.context_length
     topk, query_topk = options.indexpool.topk, options.indexpool.short_topk()
     question_pools, question_matches = options.indexpool.question_pools, options.indexpool.question_matches
+    repeat_share = options.indexpool.match_repeat_share
     print(f"model {loaded.name} ({context} context), indexer {describe_indexers(indexer, for_segments)}, "
-          f"topk {topk}, query topk {query_topk}, question pools {question_pools}, question matches {question_matches}, "
+          f"topk {topk}, query topk {query_topk}, question pools {question_pools}, question matches {question_matches} "
+          f"(look-alikes under {repeat_share} of a match passed over), "
           f"threads {torch.get_num_threads()}, seed {args.seed}", flush=True)
     print(f"{'task':<16} {'length':>7} {'reader':>9} {'score':>6} {'samples':>7} {'s/sample':>8} {'read/sample':>11}",
           flush=True)
@@ -441,6 +447,7 @@ def run(args) -> None:
                   "indexer": describe_indexers(indexer, for_segments), "seed": args.seed,
                   "first_sample": args.first_sample,
                   "topk": topk, "query_topk": query_topk, "question_pools": question_pools, "question_matches": question_matches,
+                  "match_repeat_share": repeat_share,
                   "max_new_tokens": MAX_NEW_TOKENS, "rows": rows, "averages": averages}
         write_atomically(Path(args.json), json.dumps(report, indent=1).encode())
 

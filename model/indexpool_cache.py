@@ -49,7 +49,8 @@ largest of its queries' scores for it, each summed over the scoring layers. Thos
 (`QUESTION_SPAN`), are kept ahead of every other in each per-query selection of the second read and of the answer's
 tokens after it, and so, ahead of them, are the places where the document holds the question's rarest wording
 (`question_matches`, `matching_pools`: pairs of consecutive question tokens met at most MATCH_MAX_COUNT times in the
-document, each weighted by its rarity); the pools the question scores best after those fill the rest of those
+document, each weighted by its rarity; a place matching only part of a better place's phrase, a look-alike key, is
+passed over); the pools the question scores best after those fill the rest of those
 forwards' far tokens (query_topk), none left to each query's own choice. At 128K the question's scored pools held 2
 of a multi-value needle's 4 values, its rarest pairs all 4; and the queries' own choices, beside kept pools that
 held every needle, took the answers off them, where the needles alone were copied (docs/benchmarks.md).
@@ -120,6 +121,7 @@ class IndexPoolConfig:
     cumulative_scores: bool = True  # per-query selections rank pools by their scores summed over the layers so far
     question_pools: int = 4  # a question's best pools, each with QUESTION_SPAN around it, kept for it and its answer
     question_matches: int = 4  # places holding the question's rarest token pairs (`matching_pools`), kept likewise
+    match_repeat_share: float = 0.9  # such a place holding a share of a better one's pairs, and no others: passed over
 
     def sink_gap(self, context_length: int) -> int:
         """Positions left empty between the sinks and the far tokens while far tokens are selected: what puts the
@@ -159,6 +161,7 @@ class IndexPoolConfig:
              f"fit in the model's trained context of {context_length} tokens (with a pool to spare)")
         need(self.segment_queries >= 1, "segment queries must be >= 1")
         need(self.question_pools >= 0 and self.question_matches >= 0, "question pools and matches must be >= 0")
+        need(0 <= self.match_repeat_share <= 1, "match repeat share must be between 0 and 1")
         need(self.segment_candidates >= self.topk // self.kpool,
              f"segment candidates must be at least the pools selected (topk / kpool = {self.topk // self.kpool})")
         need(self.index_dtype in INDEX_DTYPES, f"index dtype must be one of {', '.join(INDEX_DTYPES)}")
@@ -177,12 +180,17 @@ def question_pools(tops: torch.Tensor, n_pools: int) -> torch.Tensor:
     return torch.tensor(list(dict.fromkeys(spans.tolist())), dtype=torch.long, device=tops.device)
 
 
-def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, count: int) -> torch.Tensor:
+def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, count: int,
+                   repeat_share: float = 0.0) -> torch.Tensor:
     """Where `document` (token ids, starting at a pool boundary) holds the question's rarest wording: the pools
     (indices into document's complete pools, best first, at most `count`, no two within a QUESTION_SPAN of each
     other) holding pairs of consecutive question tokens. Each occurrence of a pair met at most MATCH_MAX_COUNT times
     in the document adds log(pairs in the document / its count) to its pool; a pool ranks by its own sum, twice,
-    and its two neighbours' (a phrase spans pool boundaries)."""
+    and its two neighbours' (a phrase spans pool boundaries). A look-alike is passed over: a place whose span holds
+    in phrases (runs of the question's pairs, three tokens or more) only pairs that a place taken before holds too,
+    weighing (each pair once) less than `repeat_share` of that place's: a distractor sharing part of the asked
+    key's wording. An exact repeat is kept, and a pair on its own beside a phrase (two words of the question met by
+    chance) tells the two apart no more."""
     n_pools = len(document) // kpool
     if count <= 0 or n_pools == 0 or len(question) < 2:
         return torch.empty(0, dtype=torch.long, device=document.device)
@@ -191,21 +199,33 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
     at = torch.isin(pairs, wanted).nonzero().flatten()
     _, which, counts = torch.unique(pairs[at], return_inverse=True, return_counts=True)
     rare = counts[which] <= MATCH_MAX_COUNT
-    at, weight = at[rare], torch.log(len(pairs) / counts[which][rare].double())
+    pair_weights = torch.log(len(pairs) / counts.double())  # of each distinct pair
+    # A pair next to another of the question's: part of a phrase of three tokens or more that it holds.
+    phrased = torch.isin(at - 1, at) | torch.isin(at + 1, at)
+    at, which, phrased = at[rare], which[rare], phrased[rare]
     own = torch.zeros(n_pools + 1, dtype=torch.float64, device=document.device)
-    own.index_add_(0, at // kpool, weight)  # a pair starting in the last, incomplete pool lands in the spare slot
+    own.index_add_(0, at // kpool, pair_weights[which])  # a pair starting in the last, incomplete pool: spare slot
     own = own[:n_pools]
     score = 2 * own
     score[1:] += own[:-1]
     score[:-1] += own[1:]
     candidates = score.nonzero().flatten()
     chosen: list[int] = []
-    reach = len(QUESTION_SPAN) - 1  # two chosen pools further apart than this keep spans that do not overlap
+    held: list[tuple[set[int], float]] = []  # each chosen place's distinct phrased pairs, and their weight
+    pair_weights, reach = pair_weights.tolist(), len(QUESTION_SPAN) - 1  # spans of pools further apart: disjoint
     for pool in candidates[score[candidates].argsort(descending=True, stable=True)].tolist():
-        if all(abs(pool - other) > reach for other in chosen):
-            chosen.append(pool)
-            if len(chosen) == count:
-                break
+        if any(abs(pool - other) <= reach for other in chosen):
+            continue
+        lo = int(torch.searchsorted(at, max(pool + QUESTION_SPAN.start, 0) * kpool))
+        hi = int(torch.searchsorted(at, min(pool + QUESTION_SPAN.stop, n_pools) * kpool))
+        ids = set(which[lo:hi][phrased[lo:hi]].tolist())
+        weight = sum(pair_weights[i] for i in ids)
+        if any(ids <= other and weight < repeat_share * other_weight for other, other_weight in held):
+            continue
+        chosen.append(pool)
+        held.append((ids, weight))
+        if len(chosen) == count:
+            break
     return torch.tensor(chosen, dtype=torch.long, device=document.device)
 
 
@@ -585,7 +605,7 @@ class IndexPoolCache:
             tops = scores.topk(min(s.question_pools, len(scores))).indices
             if tokens is not None and s.question_matches:
                 document, question = torch.tensor(tokens[first * s.kpool: self.ws]), torch.tensor(tokens[start:end])
-                matched = matching_pools(document, question, s.kpool, s.question_matches)
+                matched = matching_pools(document, question, s.kpool, s.question_matches, s.match_repeat_share)
                 tops = torch.cat([matched.to(tops.device), tops])
             pools = question_pools(tops, len(scores))
             # The rest of a short forward's far tokens: the pools the question scores best after those, not each

@@ -39,23 +39,34 @@ def tiny_model(seed: int = 0, config: LlamaConfig = CONFIG) -> Transformer:
     return model
 
 
-def reference_matching_pools(document, question, kpool, count):
+def reference_matching_pools(document, question, kpool, count, repeat_share=0.0):
     """`matching_pools`, one pair at a time: each occurrence in the document of a pair of consecutive question
     tokens met at most MATCH_MAX_COUNT times there adds log(pairs / its count) to its pool; pools rank by twice that
-    sum plus their neighbours', and are taken best first (ties: the earlier), none within 7 pools of one taken."""
+    sum plus their neighbours', and are taken best first (ties: the earlier), none within 7 pools of one taken, nor
+    one whose span (3 pools before, 4 after) holds in phrases (question pairs next to another) only pairs of a place
+    taken, weighing less than repeat_share of that place's."""
     pairs = list(zip(document, document[1:]))
     wanted, counts = set(zip(question, question[1:])), Counter(pairs)
+    hits = {i for i, pair in enumerate(pairs) if pair in wanted}
     own = [0.0] * (len(document) // kpool)
-    for i, pair in enumerate(pairs):
-        if pair in wanted and counts[pair] <= MATCH_MAX_COUNT and i // kpool < len(own):
-            own[i // kpool] += math.log(len(pairs) / counts[pair])
+    for i in hits:
+        if counts[pairs[i]] <= MATCH_MAX_COUNT and i // kpool < len(own):
+            own[i // kpool] += math.log(len(pairs) / counts[pairs[i]])
     score = [2 * own[p] + (own[p - 1] if p else 0.0) + (own[p + 1] if p + 1 < len(own) else 0.0) for p in range(len(own))]
-    chosen = []
+    chosen, held = [], []
     for p in sorted(range(len(score)), key=lambda p: -score[p]):
         if score[p] <= 0 or len(chosen) == count:
             break
-        if all(abs(p - c) > 7 for c in chosen):
-            chosen.append(p)
+        if any(abs(p - c) <= 7 for c in chosen):
+            continue
+        span = range(max(p - 3, 0) * kpool, min(p + 5, len(own)) * kpool)
+        phrase = {pairs[i] for i in span if i in hits and counts[pairs[i]] <= MATCH_MAX_COUNT and
+                  (i - 1 in hits or i + 1 in hits)}
+        weight = sum(math.log(len(pairs) / counts[pair]) for pair in phrase)
+        if any(phrase <= other and weight < repeat_share * other_weight for other, other_weight in held):
+            continue
+        chosen.append(p)
+        held.append((phrase, weight))
     return chosen
 
 
@@ -109,7 +120,7 @@ class ReferenceCache:
             s, pools = self.s, []
             matched = [] if tokens is None else \
                 reference_matching_pools(tokens[first * s.kpool: (first + P) * s.kpool], tokens[start:end], s.kpool,
-                                         s.question_matches)
+                                         s.question_matches, s.match_repeat_share)
             for p in matched + best:
                 for d in range(-3, 5):
                     if min(max(p + d, 0), P - 1) + first not in pools:
@@ -625,6 +636,8 @@ def test_settings_are_validated():
         IndexPoolConfig(sink_distance=-1).validate(8192)
     with pytest.raises(ValueError, match="query topk must be 0 or a positive multiple"):
         IndexPoolConfig(query_topk=1026).validate(8192)
+    with pytest.raises(ValueError, match="match repeat share"):
+        IndexPoolConfig(match_repeat_share=1.5).validate(8192)
     assert IndexPoolConfig(topk=128).short_topk() == 128 and IndexPoolConfig(query_topk=64).short_topk() == 64
 
 
@@ -756,11 +769,29 @@ def test_matching_pools_find_the_questions_rarest_wording():
     assert matching_pools(torch.tensor(document[:3]), torch.tensor(question), 4, 8).tolist() == []  # no whole pool
     # Random ids, awkward lengths: the same pools as the reference, one pair at a time.
     generator = torch.Generator().manual_seed(0)
-    for n in (5, 63, 401):
+    for n in (5, 63, 401, 1203):
         document = torch.randint(0, 12, (n,), generator=generator)
         question = torch.randint(0, 12, (9,), generator=generator)
-        assert matching_pools(document, question, 4, 5).tolist() == \
-            reference_matching_pools(document.tolist(), question.tolist(), 4, 5)
+        for share in (0.0, 0.9):
+            assert matching_pools(document, question, 4, 5, share).tolist() == \
+                reference_matching_pools(document.tolist(), question.tolist(), 4, 5, share)
+
+
+def test_matching_pools_pass_over_look_alikes_and_keep_repeats():
+    """The asked phrase twice, a look-alike sharing its first three tokens, and two of its words met by chance: with
+    a repeat share, the look-alike and the chance pair are passed over, the repeat kept."""
+    from indexpool.model.indexpool_cache import matching_pools
+
+    question = [20, 21, 22, 23, 24]
+    document = [1] * 400
+    document[40:45] = document[200:205] = question  # pools 10 and 50
+    document[120:124] = [20, 21, 22, 9]  # pool 30: a part of the phrase, then another word
+    document[300:302] = [23, 24]  # pool 75: a pair on its own
+    for share, expected in ((0.0, [10, 50, 30, 75]), (0.9, [10, 50])):
+        pools = matching_pools(torch.tensor(document), torch.tensor(question), 4, 8, share).tolist()
+        assert pools == expected == reference_matching_pools(document, question, 4, 8, share)
+    # the look-alike weighs about half the phrase: kept where less than half passes a place over
+    assert matching_pools(torch.tensor(document), torch.tensor(question), 4, 8, 0.4).tolist() == [10, 50, 30]
 
 
 def test_kept_question_pools_come_first_in_their_order():
