@@ -212,14 +212,15 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
     candidates = score.nonzero().flatten()
     chosen: list[int] = []
     held: list[tuple[set[int], float]] = []  # each chosen place's distinct phrased pairs, and their weight
-    pair_weights, reach = pair_weights.tolist(), len(QUESTION_SPAN) - 1  # spans of pools further apart: disjoint
+    weights = pair_weights.tolist()
+    reach = len(QUESTION_SPAN) - 1  # two chosen pools further apart than this keep spans that do not overlap
     for pool in candidates[score[candidates].argsort(descending=True, stable=True)].tolist():
         if any(abs(pool - other) <= reach for other in chosen):
             continue
         lo = int(torch.searchsorted(at, max(pool + QUESTION_SPAN.start, 0) * kpool))
         hi = int(torch.searchsorted(at, min(pool + QUESTION_SPAN.stop, n_pools) * kpool))
         ids = set(which[lo:hi][phrased[lo:hi]].tolist())
-        weight = sum(pair_weights[i] for i in ids)
+        weight = sum(weights[i] for i in ids)
         if any(ids <= other and weight < repeat_share * other_weight for other, other_weight in held):
             continue
         chosen.append(pool)
