@@ -50,8 +50,10 @@ largest of its queries' scores for it, each summed over the scoring layers. Thos
 tokens after it, and so, ahead of them, are the places where the document holds the question's rarest wording
 (`question_matches`, `matching_pools`: pairs of consecutive question tokens met at most MATCH_MAX_COUNT times in the
 document, each weighted by its rarity; a place matching only part of a better place's phrase, a look-alike key, is
-passed over); the pools the question scores best after those fill the rest of those
-forwards' far tokens (query_topk), none left to each query's own choice. At 128K the question's scored pools held 2
+passed over). Matched places, then scored ones, are cut at those forwards' far tokens (query_topk), so a place
+no match finds goes to a scored pool's span, not to 4-token pieces of scattered places (frequent-word answers
+copied garbled words from those); the pools the question scores best after those fill what overlapping spans
+leave, none left to each query's own choice. At 128K the question's scored pools held 2
 of a multi-value needle's 4 values, its rarest pairs all 4; and the queries' own choices, beside kept pools that
 held every needle, took the answers off them, where the needles alone were copied (docs/benchmarks.md).
 A question names what it asks for (a needle's key), and the tokens that name it find the key's few occurrences;
@@ -119,7 +121,9 @@ class IndexPoolConfig:
     offload_dir: str | None = None  # keep history K/V in a memory-mapped file in this directory
     schedule: Sequence[str] | None = ("full", "shared")  # a pattern repeated over the layers; None: all full
     cumulative_scores: bool = True  # per-query selections rank pools by their scores summed over the layers so far
-    question_pools: int = 4  # a question's best pools, each with QUESTION_SPAN around it, kept for it and its answer
+    # A question's best pools, each with QUESTION_SPAN around it, kept for it and its answer after the matched places
+    # as far as short_topk goes (8 spans: all of it when no place matches).
+    question_pools: int = 8
     question_matches: int = 4  # places holding the question's rarest token pairs (`matching_pools`), kept likewise
     match_repeat_share: float = 0.9  # such a place holding a share of a better one's pairs, and no others: passed over
 
@@ -608,12 +612,16 @@ class IndexPoolCache:
                 document, question = torch.tensor(tokens[first * s.kpool: self.ws]), torch.tensor(tokens[start:end])
                 matched = matching_pools(document, question, s.kpool, s.question_matches, s.match_repeat_share)
                 tops = torch.cat([matched.to(tops.device), tops])
-            pools = question_pools(tops, len(scores))
-            # The rest of a short forward's far tokens: the pools the question scores best after those, not each
-            # query's own choice (every far token beside the kept ones dilutes them, the more so the longer the
-            # document: at 128K the queries' own choices took the answer off the needles the kept pools held).
+            # Matched places first: those beyond a short forward's far tokens are cut, and the places a match does
+            # not find (a look-alike passed over, a question naming nothing) go to the scored pools, with their span:
+            # 4-token pieces of scattered places were what answers copied garbled words from (fwe).
+            budget = s.short_topk() // s.kpool
+            pools = question_pools(tops, len(scores))[:budget]
+            # The rest of a short forward's far tokens (spans that overlap leave some): the pools the question scores
+            # best after those, not each query's own choice (every far token beside the kept ones dilutes them, the
+            # more so the longer the document: at 128K the queries' own choices took the answer off the needles).
             more = scores.argsort(descending=True, stable=True)
-            more = more[~torch.isin(more, pools)][: max(0, s.short_topk() // s.kpool - len(pools))]
+            more = more[~torch.isin(more, pools)][: max(0, budget - len(pools))]
             pools = torch.cat([pools, more]) + first
         self.question_pools, self.question_start, self.question_end = pools, start, end
         self.scouted, evidence, self.evidence = None, self.evidence, None

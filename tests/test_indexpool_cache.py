@@ -125,7 +125,8 @@ class ReferenceCache:
                 for d in range(-3, 5):
                     if min(max(p + d, 0), P - 1) + first not in pools:
                         pools.append(min(max(p + d, 0), P - 1) + first)
-            budget = min(s.query_topk, s.topk) // s.kpool  # filled up with the next best the question scores
+            budget = min(s.query_topk, s.topk) // s.kpool  # cut there; filled up with the next best it scores
+            pools = pools[:budget]
             more = [p + first for p in sorted(range(P), key=lambda p: -scores[p]) if p + first not in pools]
             pools += more[: max(0, budget - len(pools))]
         self.question, self.question_start, self.question_end = pools, start, end
@@ -804,6 +805,23 @@ def test_kept_question_pools_come_first_in_their_order():
     top = kept.topk(6).indices
     assert top[:, :3].tolist() == [[30, 7, 2]] * 3
     assert torch.equal(top[:, 3:], scores.index_fill(1, torch.tensor([30, 7, 2]), -1).topk(3).indices)
+
+
+def test_a_questions_kept_spans_are_cut_at_its_far_tokens():
+    """More kept places than a short forward's far tokens hold: the list is cut at query_topk's pools, best first
+    (the best place's span whole, the next one's start), and every query of the question reads exactly those."""
+    config = replace(CONFIG, context_length=256)
+    model = tiny_model(4, config)
+    settings = IndexPoolConfig(**SETTINGS | dict(topk=64, query_topk=40, query_tokens=12, question_pools=3,
+                                                 question_matches=0, segment_candidates=16, kv_storage="full"))
+    prompt, seen = prompts_for(8, [300])[0], []
+    session = Session(model, 400, attention=settings)
+    session.prefill(prompt, on_select=lambda layer, queries, far: seen.append((len(queries), far)))
+    kept = session.cache.question_pools
+    assert kept is not None and len(kept) == 10 and len(set(kept.tolist())) == 10  # 40 tokens: 10 pools
+    assert kept[:8].tolist() == list(range(int(kept[3]) - 3, int(kept[3]) + 5))  # the best pool's span whole
+    kept_tokens = set((kept[:, None] * 4 + torch.arange(4)).flatten().tolist()) | set(range(settings.sinks))
+    assert all(kept_tokens == set(row.tolist()) for n, far in seen if n == 12 for row in far)
 
 
 def test_a_question_is_read_twice_and_its_answer_keeps_its_pools():
