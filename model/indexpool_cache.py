@@ -77,7 +77,7 @@ import tempfile
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -184,11 +184,16 @@ def question_pools(tops: torch.Tensor, n_pools: int) -> torch.Tensor:
     return torch.tensor(list(dict.fromkeys(spans.tolist())), dtype=torch.long, device=tops.device)
 
 
+class Matches(NamedTuple):
+    places: torch.Tensor  # pools, best first
+    look_alikes: torch.Tensor  # pools passed over, in the order met
+
+
 def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, count: int,
-                   repeat_share: float = 0.0) -> torch.Tensor:
+                   repeat_share: float = 0.0) -> Matches:
     """Where `document` (token ids, starting at a pool boundary) holds the question's rarest wording: the pools
     (indices into document's complete pools, best first, at most `count`, no two within a QUESTION_SPAN of each
-    other) holding pairs of consecutive question tokens. Each occurrence of a pair met at most MATCH_MAX_COUNT times
+    other) holding pairs of consecutive question tokens, and the look-alikes passed over on the way. Each occurrence of a pair met at most MATCH_MAX_COUNT times
     in the document adds log(pairs in the document / its count) to its pool; a pool ranks by its own sum, twice,
     and its two neighbours' (a phrase spans pool boundaries). A look-alike is passed over: a place whose span holds
     in phrases (runs of the question's pairs, three tokens or more) only pairs that a place taken before holds too,
@@ -197,7 +202,8 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
     chance) tells the two apart no more."""
     n_pools = len(document) // kpool
     if count <= 0 or n_pools == 0 or len(question) < 2:
-        return torch.empty(0, dtype=torch.long, device=document.device)
+        none = torch.empty(0, dtype=torch.long, device=document.device)
+        return Matches(none, none)
     pairs = document[:-1] * TOKEN_PAIR_BASE + document[1:]
     wanted = torch.unique(question[:-1] * TOKEN_PAIR_BASE + question[1:])
     at = torch.isin(pairs, wanted).nonzero().flatten()
@@ -215,6 +221,7 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
     score[:-1] += own[1:]
     candidates = score.nonzero().flatten()
     chosen: list[int] = []
+    passed: list[int] = []
     held: list[tuple[set[int], float]] = []  # each chosen place's distinct phrased pairs, and their weight
     weights = pair_weights.tolist()
     reach = len(QUESTION_SPAN) - 1  # two chosen pools further apart than this keep spans that do not overlap
@@ -226,12 +233,13 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
         ids = set(which[lo:hi][phrased[lo:hi]].tolist())
         weight = sum(weights[i] for i in ids)
         if any(ids <= other and weight < repeat_share * other_weight for other, other_weight in held):
+            passed.append(pool)
             continue
         chosen.append(pool)
         held.append((ids, weight))
         if len(chosen) == count:
             break
-    return torch.tensor(chosen, dtype=torch.long, device=document.device)
+    return Matches(*(torch.tensor(pools, dtype=torch.long, device=document.device) for pools in (chosen, passed)))
 
 
 def keep_question_pools(scores: torch.Tensor, pools: torch.Tensor) -> torch.Tensor:
@@ -607,21 +615,28 @@ class IndexPoolCache:
         scores, s, pools = self.scouted, self.settings, None
         if scores is not None:  # per pool scored: from the first after the sinks to the window's start
             first = self.n_sinks // s.kpool
-            tops = scores.topk(min(s.question_pools, len(scores))).indices
+            order, n = scores.argsort(descending=True, stable=True), len(scores)
+            matched = shunned = order[:0]
             if tokens is not None and s.question_matches:
                 document, question = torch.tensor(tokens[first * s.kpool: self.ws]), torch.tensor(tokens[start:end])
-                matched = matching_pools(document, question, s.kpool, s.question_matches, s.match_repeat_share)
-                tops = torch.cat([matched.to(tops.device), tops])
+                matched, look_alikes = (m.to(order.device) for m in
+                                        matching_pools(document, question, s.kpool, s.question_matches,
+                                                       s.match_repeat_share))
+                # A look-alike's span is not read, though the question scores it (the key's look-alike words do):
+                # its value is the answer's likeliest wrong copy.
+                shunned = question_pools(look_alikes, n)
+                shunned = shunned[~torch.isin(shunned, question_pools(matched, n))]
+                order = order[~torch.isin(order, shunned)]
             # Matched places first: those beyond a short forward's far tokens are cut, and the places a match does
             # not find (a look-alike passed over, a question naming nothing) go to the scored pools, with their span:
             # 4-token pieces of scattered places were what answers copied garbled words from (fwe).
             budget = s.short_topk() // s.kpool
-            pools = question_pools(tops, len(scores))[:budget]
+            pools = question_pools(torch.cat([matched, order[: s.question_pools]]), n)
+            pools = pools[~torch.isin(pools, shunned)][:budget]
             # The rest of a short forward's far tokens (spans that overlap leave some): the pools the question scores
             # best after those, not each query's own choice (every far token beside the kept ones dilutes them, the
             # more so the longer the document: at 128K the queries' own choices took the answer off the needles).
-            more = scores.argsort(descending=True, stable=True)
-            more = more[~torch.isin(more, pools)][: max(0, budget - len(pools))]
+            more = order[~torch.isin(order, pools)][: max(0, budget - len(pools))]
             pools = torch.cat([pools, more]) + first
         self.question_pools, self.question_start, self.question_end = pools, start, end
         self.scouted, evidence, self.evidence = None, self.evidence, None

@@ -44,7 +44,7 @@ def reference_matching_pools(document, question, kpool, count, repeat_share=0.0)
     tokens met at most MATCH_MAX_COUNT times there adds log(pairs / its count) to its pool; pools rank by twice that
     sum plus their neighbours', and are taken best first (ties: the earlier), none within 7 pools of one taken, nor
     one whose span (3 pools before, 4 after) holds in phrases (question pairs next to another) only pairs of a place
-    taken, weighing less than repeat_share of that place's."""
+    taken, weighing less than repeat_share of that place's (a look-alike: passed over, and listed)."""
     pairs = list(zip(document, document[1:]))
     wanted, counts = set(zip(question, question[1:])), Counter(pairs)
     hits = {i for i, pair in enumerate(pairs) if pair in wanted}
@@ -53,7 +53,7 @@ def reference_matching_pools(document, question, kpool, count, repeat_share=0.0)
         if counts[pairs[i]] <= MATCH_MAX_COUNT and i // kpool < len(own):
             own[i // kpool] += math.log(len(pairs) / counts[pairs[i]])
     score = [2 * own[p] + (own[p - 1] if p else 0.0) + (own[p + 1] if p + 1 < len(own) else 0.0) for p in range(len(own))]
-    chosen, held = [], []
+    chosen, passed, held = [], [], []
     for p in sorted(range(len(score)), key=lambda p: -score[p]):
         if score[p] <= 0 or len(chosen) == count:
             break
@@ -64,10 +64,11 @@ def reference_matching_pools(document, question, kpool, count, repeat_share=0.0)
                   (i - 1 in hits or i + 1 in hits)}
         weight = sum(math.log(len(pairs) / counts[pair]) for pair in phrase)
         if any(phrase <= other and weight < repeat_share * other_weight for other, other_weight in held):
+            passed.append(p)
             continue
         chosen.append(p)
         held.append((phrase, weight))
-    return chosen
+    return chosen, passed
 
 
 class ReferenceCache:
@@ -116,19 +117,21 @@ class ReferenceCache:
         self.truncate(start)
         pools = None
         if self.scouted is not None:  # the question's best pools by any of its queries, each with 3 before, 4 after
-            best, first, P, scores = self.scouted
-            s, pools = self.s, []
-            matched = [] if tokens is None else \
+            first, P, scores = self.scouted
+            s = self.s
+            matched, look_alikes = ([], []) if tokens is None else \
                 reference_matching_pools(tokens[first * s.kpool: (first + P) * s.kpool], tokens[start:end], s.kpool,
                                          s.question_matches, s.match_repeat_share)
-            for p in matched + best:
-                for d in range(-3, 5):
-                    if min(max(p + d, 0), P - 1) + first not in pools:
-                        pools.append(min(max(p + d, 0), P - 1) + first)
+
+            def spans(places):  # each place with 3 pools before and 4 after, clamped, once each, in order
+                return list(dict.fromkeys(min(max(p + d, 0), P - 1) for p in places for d in range(-3, 5)))
+
+            shunned = set(spans(look_alikes)) - set(spans(matched))  # look-alikes' spans are not read
+            best = [p for p in sorted(range(P), key=lambda p: -scores[p]) if p not in shunned]
             budget = min(s.query_topk, s.topk) // s.kpool  # cut there; filled up with the next best it scores
-            pools = pools[:budget]
-            more = [p + first for p in sorted(range(P), key=lambda p: -scores[p]) if p + first not in pools]
-            pools += more[: max(0, budget - len(pools))]
+            pools = [p for p in spans(matched + best[: s.question_pools]) if p not in shunned][:budget]
+            pools += [p for p in best if p not in pools][: max(0, budget - len(pools))]
+            pools = [p + first for p in pools]
         self.question, self.question_start, self.question_end = pools, start, end
         return forward()
 
@@ -180,7 +183,7 @@ class ReferenceCache:
         P = scores.shape[1]
         if self.scouting_question:  # the last layer to score has the scores summed over all of them
             best = scores.max(0).values
-            self.scouted = best.topk(min(s.question_pools, P)).indices.tolist(), first, P, best
+            self.scouted = first, P, best
         kept = [] if self.scouting_question or self.question is None else \
             [p - first for p in self.question if 0 <= p - first < P]
         blocks = [(b, min(b + s.query_block, T)) for b in range(0, T, s.query_block)]
@@ -762,19 +765,20 @@ def test_matching_pools_find_the_questions_rarest_wording():
     document[160:162] = [9, 10]
     document[170:172] = [9, 10]
     question = [3, 5, 6, 7, 8, 2, 9, 10]
-    pools = matching_pools(torch.tensor(document), torch.tensor(question), 4, 8).tolist()
-    assert pools == reference_matching_pools(document, question, 4, 8)
+    pools = matching_pools(torch.tensor(document), torch.tensor(question), 4, 8).places.tolist()
+    assert (pools, []) == reference_matching_pools(document, question, 4, 8)
     assert pools == [30, 20, 40]  # the rarest pair's pool (120 // 4), then 80's and 160's, not 170's
-    assert matching_pools(torch.tensor(document), torch.tensor(question), 4, 1).tolist() == [30]
-    assert matching_pools(torch.tensor(document), torch.tensor([2, 3, 4]), 4, 8).tolist() == []  # nothing shared
-    assert matching_pools(torch.tensor(document[:3]), torch.tensor(question), 4, 8).tolist() == []  # no whole pool
+    assert matching_pools(torch.tensor(document), torch.tensor(question), 4, 1).places.tolist() == [30]
+    for none in (matching_pools(torch.tensor(document), torch.tensor([2, 3, 4]), 4, 8),  # nothing shared
+                 matching_pools(torch.tensor(document[:3]), torch.tensor(question), 4, 8)):  # no whole pool
+        assert none.places.tolist() == none.look_alikes.tolist() == []
     # Random ids, awkward lengths: the same pools as the reference, one pair at a time.
     generator = torch.Generator().manual_seed(0)
     for n in (5, 63, 401, 1203):
         document = torch.randint(0, 12, (n,), generator=generator)
         question = torch.randint(0, 12, (9,), generator=generator)
         for share in (0.0, 0.9):
-            assert matching_pools(document, question, 4, 5, share).tolist() == \
+            assert tuple(t.tolist() for t in matching_pools(document, question, 4, 5, share)) == \
                 reference_matching_pools(document.tolist(), question.tolist(), 4, 5, share)
 
 
@@ -788,11 +792,13 @@ def test_matching_pools_pass_over_look_alikes_and_keep_repeats():
     document[40:45] = document[200:205] = question  # pools 10 and 50
     document[120:124] = [20, 21, 22, 9]  # pool 30: a part of the phrase, then another word
     document[300:302] = [23, 24]  # pool 75: a pair on its own
-    for share, expected in ((0.0, [10, 50, 30, 75]), (0.9, [10, 50])):
-        pools = matching_pools(torch.tensor(document), torch.tensor(question), 4, 8, share).tolist()
-        assert pools == expected == reference_matching_pools(document, question, 4, 8, share)
+    # (the look-alikes' neighbours, which their scores rank next, are met and passed over too)
+    for share, expected in ((0.0, ([10, 50, 30, 75], [])), (0.9, ([10, 50], [30, 29, 31, 75, 74, 76]))):
+        found = tuple(t.tolist() for t in matching_pools(torch.tensor(document), torch.tensor(question), 4, 8, share))
+        assert found == expected == reference_matching_pools(document, question, 4, 8, share)
     # the look-alike weighs about half the phrase: kept where less than half passes a place over
-    assert matching_pools(torch.tensor(document), torch.tensor(question), 4, 8, 0.4).tolist() == [10, 50, 30]
+    found = matching_pools(torch.tensor(document), torch.tensor(question), 4, 8, 0.4)
+    assert found.places.tolist() == [10, 50, 30] and found.look_alikes.tolist() == [75, 74, 76]
 
 
 def test_kept_question_pools_come_first_in_their_order():
@@ -822,6 +828,35 @@ def test_a_questions_kept_spans_are_cut_at_its_far_tokens():
     assert kept[:8].tolist() == list(range(int(kept[3]) - 3, int(kept[3]) + 5))  # the best pool's span whole
     kept_tokens = set((kept[:, None] * 4 + torch.arange(4)).flatten().tolist()) | set(range(settings.sinks))
     assert all(kept_tokens == set(row.tolist()) for n, far in seen if n == 12 for row in far)
+
+
+def test_a_look_alikes_place_is_not_read_though_the_question_scores_it():
+    """The question's wording at one place and its first half, then other words, at another: the second is a
+    look-alike (`matching_pools` passes it over), and its span is kept out of the question's far tokens, which the
+    question's scored pools fill to the last one besides."""
+    from indexpool.model.indexpool_cache import matching_pools, question_pools
+
+    config = replace(CONFIG, context_length=512)
+    model = tiny_model(4, config)
+    settings = IndexPoolConfig(**SETTINGS | dict(topk=200, query_topk=200, query_tokens=12, question_matches=2,
+                                                 segment_candidates=64, kv_storage="full"))
+    prompt = prompts_for(8, [300])[0]
+    question = prompt[288:300]  # the prompt's last 12 tokens are read as the question
+    prompt[100:112] = question
+    prompt[200:206] = question[:6]
+    session = Session(model, 400, attention=settings)
+    session.prefill(prompt)
+    cache, first = session.cache, settings.sinks // settings.kpool
+    ws = cache._window_start(288)
+    found = matching_pools(torch.tensor(prompt[first * 4: ws]), torch.tensor(question), 4, 2, 0.9)
+    # The phrase's place (tokens 96-107 of the document, which starts at the sinks' end), the half's passed over
+    # (tokens 196-201, and its neighbours).
+    assert len(found.places) == 1 and 96 // 4 <= int(found.places[0]) <= 107 // 4
+    assert len(found.look_alikes) and all(196 // 4 - 1 <= p <= 201 // 4 + 1 for p in found.look_alikes.tolist())
+    kept = set((cache.question_pools - first).tolist())
+    n_pools = ws // 4 - first
+    shunned = set(question_pools(found.look_alikes, n_pools).tolist())
+    assert len(kept) == 50 and set(question_pools(found.places, n_pools).tolist()) <= kept and not kept & shunned
 
 
 def test_a_question_is_read_twice_and_its_answer_keeps_its_pools():
