@@ -193,9 +193,10 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
                    repeat_share: float = 0.0) -> Matches:
     """Where `document` (token ids, starting at a pool boundary) holds the question's rarest wording: the pools
     (indices into document's complete pools, best first, at most `count`, no two within a QUESTION_SPAN of each
-    other) holding pairs of consecutive question tokens, and the look-alikes passed over on the way. Each occurrence of a pair met at most MATCH_MAX_COUNT times
-    in the document adds log(pairs in the document / its count) to its pool; a pool ranks by its own sum, twice,
-    and its two neighbours' (a phrase spans pool boundaries). A look-alike is passed over: a place whose span holds
+    other) holding pairs of consecutive question tokens, and the look-alikes passed over on the way. Each
+    occurrence of a pair met at most MATCH_MAX_COUNT times in the document adds log(pairs in the document / its
+    count) to its pool; a pool ranks by its own sum, twice, and its two neighbours' (a phrase spans pool
+    boundaries). A look-alike is passed over: a place whose span holds
     in phrases (runs of the question's pairs, three tokens or more) only pairs that a place taken before holds too,
     weighing (each pair once) less than `repeat_share` of that place's: a distractor sharing part of the asked
     key's wording. An exact repeat is kept, and a pair on its own beside a phrase (two words of the question met by
