@@ -731,10 +731,11 @@ def bench(
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs per figure; the median is reported.")] = 3,
     engines: Annotated[str, typer.Option("--engines", help="Comma-separated: indexpool, transformers, llama.cpp (skipped if not installed).")] = "indexpool,transformers,llama.cpp",
     decode_weights: Annotated[str, typer.Option("--decode-weights", help="Comma-separated --decode-weights choices for our engine, each run in turn (auto, gguf, int4, int8, off); the ratios are the first one's.")] = "auto",
+    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for every engine (default: one per physical core).", envvar="INDEXPOOL_THREADS")] = None,
     json_out: JsonOpt = False,
 ):
     """Benchmark our engine against transformers (and llama.cpp if installed) on the same weights."""
-    from indexpool.model.runtime import decode_bits
+    from indexpool.model.runtime import decode_bits, set_threads
 
     from .bench import ENGINES, run_bench
 
@@ -745,10 +746,11 @@ def bench(
     try:
         for choice in weights:
             decode_bits(choice, 16)  # checked before any run
+        set_threads(threads)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     run_bench(model, [int(c) for c in contexts.split(",")], prefill_length, decode_tokens, repeats, chosen, json_out,
-              weights)
+              weights, threads)
 
 
 from .distill import distill  # noqa: E402  (the command's heavy imports happen when it runs)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -25,15 +24,18 @@ ENGINES = {
 
 
 def run_bench(model, contexts, prefill_length, decode_tokens, repeats, engines, json_out,
-              decode_weights: tuple[str, ...] = ("auto",)) -> None:
+              decode_weights: tuple[str, ...] = ("auto",), threads: int | None = None) -> None:
     """decode_weights: our engine runs once per choice (`--decode-weights`), in this order; the ratios are the
-    first run's."""
+    first run's. threads: every engine's thread count (default: PyTorch's, one per physical core, as our engine)."""
+    import torch
     from indexpool.model.default_model import default_model_path
 
     from .console import err_console
 
     path = str(default_model_path() if model in (None, "", "default") else Path(model).expanduser().resolve())
-    spec = {"model": path, "contexts": contexts, "prefill_length": prefill_length, "decode_tokens": decode_tokens, "repeats": repeats}
+    threads = threads or torch.get_num_threads()
+    spec = {"model": path, "contexts": contexts, "prefill_length": prefill_length, "decode_tokens": decode_tokens,
+            "repeats": repeats, "threads": threads}
     results = []
     for engine in engines:
         if engine == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
@@ -55,7 +57,7 @@ def run_bench(model, contexts, prefill_length, decode_tokens, repeats, engines, 
                 results.append({"engine": engine, "dtype": variant["dtype"], "error": f"failed: {reason[:200]}"})
             else:
                 results.append(json.loads(lines[-1]))
-    report = {"model": path, "threads": os.cpu_count(), "repeats": repeats, "results": results, "ratios": _ratios(results, contexts)}
+    report = {"model": path, "threads": threads, "repeats": repeats, "results": results, "ratios": _ratios(results, contexts)}
     if json_out:
         print(json.dumps(report))
     else:
@@ -104,7 +106,7 @@ def _table(report, contexts, prefill_length) -> str:
         lines.append("")
     for reference, ratios in report["ratios"].items():
         lines.append(f"indexpool / {reference}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-    lines.append(f"(median of {report['repeats']} runs; model {report['model']})")
+    lines.append(f"(median of {report['repeats']} runs, {report['threads']} threads each; model {report['model']})")
     return "\n".join(lines)
 
 
@@ -206,7 +208,8 @@ def _worker_llama_cpp(job):
     from llama_cpp import Llama
 
     n_ctx = max(max(job["contexts"]), job["prefill_length"]) + job["decode_tokens"] + 16
-    llm = Llama(model_path=job["model"], n_ctx=n_ctx, n_threads=os.cpu_count(), n_batch=512, verbose=False)
+    llm = Llama(model_path=job["model"], n_ctx=n_ctx, n_threads=job["threads"], n_threads_batch=job["threads"],
+                n_batch=512, verbose=False)
     vocab = llm.n_vocab()
 
     def prefill_time(n):
@@ -227,7 +230,10 @@ def _worker_llama_cpp(job):
 
 
 def _worker(engine: str, job: dict) -> dict:
+    import torch
+
     make = {"indexpool": _worker_indexpool, "transformers": _worker_transformers, "llama.cpp": _worker_llama_cpp}[engine]
+    torch.set_num_threads(job["threads"])  # our engine's and transformers' (llama.cpp takes its own count)
     t0 = time.perf_counter()
     dtype, prefill_time, decode_time = make(job)
     load = time.perf_counter() - t0

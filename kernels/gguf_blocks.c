@@ -70,7 +70,7 @@ enum { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_
        Q6_K = 14 }; /* ggml's type numbers */
 #define BLOCK 32
 #define SUPER 256
-#ifndef MAX_ROWS /* activation rows a pass over the weights takes (1 to 4; the tests build other CPUs' code with 1) */
+#ifndef MAX_ROWS /* activation rows a pass over the weights takes (1 to 4; the tests build other CPUs' code with 1, 2) */
 #define MAX_ROWS 4
 #endif
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -439,6 +439,45 @@ ALWAYS_INLINE Bytes pair_levels(int type, const uint8_t *a, const uint8_t *b) {
     }
 }
 
+#ifndef WIDE
+/* Blocks a and b of a 4- or 5-bit format with AVX2 registers, unpacked as they lie: the low nibbles of both blocks
+ * (weights 0-15 of a, then of b) in .lo, the high nibbles (weights 16-31 of a, then b) in .hi. Half the unpacking
+ * of pair_levels' natural order, and the two halves' products add up before they are widened (nibble_pair_dot). */
+ALWAYS_INLINE Bytes nibble_pair_levels(int type, const uint8_t *a, const uint8_t *b) {
+    const int at = type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
+    const __m256i bytes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + at))),
+                                                  _mm_loadu_si128((const __m128i *)(b + at)), 1);
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    Bytes u = {_mm256_and_si256(bytes, low), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low)};
+    if (type == Q5_0 || type == Q5_1) { /* bit i of a block's 32: weight i's fifth bit */
+        const uint32_t ha = word(a + (type == Q5_0 ? 2 : 4)), hb = word(b + (type == Q5_0 ? 2 : 4));
+        u.lo = _mm256_or_si256(u.lo, where_set32((ha & 0xffff) | hb << 16, 16));
+        u.hi = _mm256_or_si256(u.hi, where_set32(ha >> 16 | (hb & 0xffff0000u), 16));
+    }
+    return u;
+}
+
+/* nibble_pair_levels' u against the blocks' activations q (a's 32 levels, then b's; a's again where `single`, whose
+ * second scale is 0): sum(u * q) of block a in lanes 0-3, of b in 4-7. Without VNNI the two halves' maddubs pairs
+ * add as int16 (4 products of at most 31 * 127 each) before one madd widens them. */
+ALWAYS_INLINE __m256 nibble_pair_dot(Bytes u, const int8_t *q, int single) {
+    const int8_t *qb = single ? q : q + 32;
+    const __m256i ql = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)q)),
+                                               _mm_loadu_si128((const __m128i *)qb), 1);
+    const __m256i qh = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16))),
+                                               _mm_loadu_si128((const __m128i *)(qb + 16)), 1);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    const __m256i sums = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u.lo, ql), u.hi, qh);
+#elif defined(__AVXVNNI__)
+    const __m256i sums = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u.lo, ql), u.hi, qh);
+#else
+    const __m256i sums = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u.lo, ql),
+                                                            _mm256_maddubs_epi16(u.hi, qh)), _mm256_set1_epi16(1));
+#endif
+    return _mm256_cvtepi32_ps(sums);
+}
+#endif
+
 /* Their scales and offsets, in lanes 0 and 1. */
 ALWAYS_INLINE void pair_scales(int type, const uint8_t *a, const uint8_t *b, __m128 *scale, __m128 *offset) {
     uint16_t da, db;
@@ -614,9 +653,25 @@ ALWAYS_INLINE void pair_step(const int type, const Activations a, const uint8_t 
                              __m128 *offsets, const int R, const int single) {
     const int64_t blocks = a.K / BLOCK;
     const uint8_t *first = row + b * block_bytes(type), *second = single ? first : first + block_bytes(type);
-    const Bytes u = pair_levels(type, first, second);
     __m128 scale, offset;
     pair_scales(type, first, second, &scale, &offset);
+#ifndef WIDE
+    if (type != Q8_0) {
+        const Bytes u = nibble_pair_levels(type, first, second);
+        const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1); /* lanes 0-3 block b's, 4-7 b + 1's */
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const float *d = a.d + r * blocks + b, *s = a.s + r * blocks + b;
+            const __m128 dx = single ? _mm_load_ss(d) : _mm_castpd_ps(_mm_load_sd((const double *)d));
+            const __m128 sx = single ? _mm_load_ss(s) : _mm_castpd_ps(_mm_load_sd((const double *)s));
+            const __m256 factor = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(scale, dx)), halves);
+            acc[r].lo = _mm256_fmadd_ps(nibble_pair_dot(u, a.q + r * a.K + b * BLOCK, single), factor, acc[r].lo);
+            offsets[r] = _mm_fmadd_ps(offset, sx, offsets[r]);
+        }
+        return;
+    }
+#endif
+    const Bytes u = pair_levels(type, first, second);
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         const float *d = a.d + r * blocks + b, *s = a.s + r * blocks + b;
@@ -838,14 +893,14 @@ static int linear_share(const void *args, int64_t n_begin, int64_t n_end) {
         if (!part_span(parts, part_rows, p, first, row_bytes, n_begin, n_end, &begin, &end, &w)) continue;
         for (int64_t r = 0; r < rows; r += MAX_ROWS) {
             const Activations a = {q + r * K, d + r * blocks, s + r * blocks, s16 + r * 2 * blocks, K};
-            const int64_t left = rows - r;
+            const int64_t take = rows - r < MAX_ROWS ? rows - r : MAX_ROWS; /* this pass's rows */
 #define CASE(T, R) (is_k_quant(T) ? k_quant_rows(T, a, w, row_bytes, begin, end, o, r, R) \
                                   : pair_rows(T, a, w, row_bytes, begin, end, o, r, R))
 #define ROWS(T)                                                                                                   \
     do {                                                                                                          \
-        if (MAX_ROWS >= 4 && left >= 4) CASE(T, 4);                                                               \
-        else if (MAX_ROWS >= 3 && left == 3) CASE(T, 3);                                                          \
-        else if (MAX_ROWS >= 2 && left == 2) CASE(T, 2);                                                          \
+        if (MAX_ROWS >= 4 && take >= 4) CASE(T, 4);                                                               \
+        else if (MAX_ROWS >= 3 && take == 3) CASE(T, 3);                                                          \
+        else if (MAX_ROWS >= 2 && take == 2) CASE(T, 2);                                                          \
         else CASE(T, 1);                                                                                          \
     } while (0)
             switch (type) { /* the type a constant in each copy: the block's decoding folds into straight code */
@@ -929,12 +984,12 @@ static int f16_share(const void *args, int64_t n_begin, int64_t n_end) {
         const uint8_t *w;
         if (!part_span(l->parts, l->part_rows, p, first, 2 * K, n_begin, n_end, &begin, &end, &w)) continue;
         for (int64_t r = 0; r < l->rows; r += MAX_ROWS) {
-            const int64_t left = l->rows - r, x_stride = l->x_stride;
+            const int64_t take = l->rows - r < MAX_ROWS ? l->rows - r : MAX_ROWS, x_stride = l->x_stride;
             const float *xr = l->x + r * x_stride;
             const Output *o = &l->out;
-            if (MAX_ROWS >= 4 && left >= 4) f16_rows(xr, x_stride, K, w, begin, end, o, r, 4);
-            else if (MAX_ROWS >= 3 && left == 3) f16_rows(xr, x_stride, K, w, begin, end, o, r, 3);
-            else if (MAX_ROWS >= 2 && left == 2) f16_rows(xr, x_stride, K, w, begin, end, o, r, 2);
+            if (MAX_ROWS >= 4 && take >= 4) f16_rows(xr, x_stride, K, w, begin, end, o, r, 4);
+            else if (MAX_ROWS >= 3 && take == 3) f16_rows(xr, x_stride, K, w, begin, end, o, r, 3);
+            else if (MAX_ROWS >= 2 && take == 2) f16_rows(xr, x_stride, K, w, begin, end, o, r, 2);
             else f16_rows(xr, x_stride, K, w, begin, end, o, r, 1);
         }
     }

@@ -358,6 +358,29 @@ def test_bench_runs_our_engine_once_per_decode_weights_choice(monkeypatch, capsy
     assert report["ratios"] == {"best transformers": {"prefill": 3.0, "decode@16": 3.0, "peak RSS": 1.0}}
 
 
+def test_bench_gives_every_engine_the_same_threads(monkeypatch, capsys):
+    """--threads N reaches every engine's worker, llama.cpp's too, and the report names it; out of range is a
+    usage error."""
+    from indexpool import bench
+
+    jobs = []
+
+    def fake_run(command, **kwargs):
+        jobs.append(job := json.loads(command[-1]))
+        figures = {"engine": command[-2], "dtype": job["dtype"], "prefill_tps": 1.0, "decode_tps": {"16": 1.0},
+                   "peak_rss_mib": 1.0}
+        return subprocess.CompletedProcess(command, 0, stdout=json.dumps(figures) + "\n", stderr="")
+
+    monkeypatch.setattr(bench, "_native_bf16", lambda: True)
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    find_spec = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: object() if name == "llama_cpp" else find_spec(name))
+    bench.run_bench(None, [16], 64, 2, 1, ["indexpool", "transformers", "llama.cpp"], json_out=True, threads=3)
+    assert len(jobs) == 4 and {job["threads"] for job in jobs} == {3}
+    assert json.loads(capsys.readouterr().out)["threads"] == 3
+    assert "--threads" in assert_error(indexpool("bench", "--threads", "0"), 2)
+
+
 def test_missing_default_model(tmp_path):
     # A sitecustomize.py on PYTHONPATH runs at interpreter start-up and hides the model wheel from find_spec.
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""\
