@@ -180,7 +180,7 @@ def interleaved_decode(path: Path, threads: int, rounds: int = 6, tokens: int = 
     pairs = [(ours(), theirs()) for _ in range(rounds)]
     a, b = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
     ratio = statistics.median(p[1] / p[0] for p in pairs)
-    return (f"{path.name}, {threads} threads: indexpool {a * 1e3:.1f} ms/token, llama.cpp {b * 1e3:.1f} ms/token "
+    return (f"{path.name}, {threads} thread{'s' if threads != 1 else ''}: indexpool {a * 1e3:.1f} ms/token, llama.cpp {b * 1e3:.1f} ms/token "
             f"(medians of {rounds} alternating runs of {tokens}); indexpool / llama.cpp decode speed {ratio:.2f}x")
 
 

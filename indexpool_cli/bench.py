@@ -106,7 +106,7 @@ def _table(report, contexts, prefill_length) -> str:
         lines.append("")
     for reference, ratios in report["ratios"].items():
         lines.append(f"indexpool / {reference}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-    lines.append(f"(median of {report['repeats']} runs, {report['threads']} threads each; model {report['model']})")
+    lines.append(f"(median of {report['repeats']} runs, {report['threads']} thread{'s' if report['threads'] != 1 else ''} each; model {report['model']})")
     return "\n".join(lines)
 
 

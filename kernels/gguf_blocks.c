@@ -735,6 +735,37 @@ ALWAYS_INLINE void chunk_step(const int type, const Activations a, const uint8_t
 }
 #endif
 
+#ifndef WIDE
+/* Blocks b .. b + 3 of a 4- or 5-bit format with AVX2 registers: pair_step's work for two pairs, the blocks'
+ * scales and the activations' d and s taken 4 at a time. */
+ALWAYS_INLINE void quad_step(const int type, const Activations a, const uint8_t *row, int64_t b,
+                             Floats acc[2][MAX_ROWS], __m128 *offsets, const int R) {
+    const int64_t blocks = a.K / BLOCK;
+    const int bb = block_bytes(type), has_min = type == Q4_1 || type == Q5_1;
+    const uint8_t *block = row + b * bb;
+    uint16_t d[4], m[4];
+    for (int i = 0; i < 4; i++) memcpy(&d[i], block + i * bb, 2), memcpy(&m[i], block + i * bb + 2, 2);
+    const __m128 scale = _mm_cvtph_ps(_mm_setr_epi16((short)d[0], (short)d[1], (short)d[2], (short)d[3], 0, 0, 0, 0));
+    const __m128 offset = has_min ? _mm_cvtph_ps(_mm_setr_epi16((short)m[0], (short)m[1], (short)m[2], (short)m[3],
+                                                                0, 0, 0, 0))
+                                  : _mm_mul_ps(scale, _mm_set1_ps(type == Q4_0 ? -8.0f : -16.0f));
+    const Bytes u0 = nibble_pair_levels(type, block, block + bb), u1 = nibble_pair_levels(type, block + 2 * bb,
+                                                                                         block + 3 * bb);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m256 f = _mm256_castps128_ps256(_mm_mul_ps(scale, _mm_loadu_ps(a.d + r * blocks + b)));
+        const int8_t *q = a.q + r * a.K + b * BLOCK;
+        offsets[r] = _mm_fmadd_ps(offset, _mm_loadu_ps(a.s + r * blocks + b), offsets[r]);
+        acc[0][r].lo = _mm256_fmadd_ps(nibble_pair_dot(u0, q, 0),
+                                       _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)),
+                                       acc[0][r].lo);
+        acc[1][r].lo = _mm256_fmadd_ps(nibble_pair_dot(u1, q + 2 * BLOCK, 0),
+                                       _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)),
+                                       acc[1][r].lo);
+    }
+}
+#endif
+
 /* The same as k_quant_rows for a 32-weight format: 8 blocks at a time with AVX-512, else two. */
 ALWAYS_INLINE void pair_rows(const int type, const Activations a, const uint8_t *w, int64_t row_bytes,
                              int64_t n_begin, int64_t n_end, const Output *o, int64_t r0, const int R) {
@@ -756,6 +787,12 @@ ALWAYS_INLINE void pair_rows(const int type, const Activations a, const uint8_t 
 #endif
         for (; b + 4 <= blocks; b += 4) {
             prefetch_ahead(row + b * block_bytes(type), 4 * block_bytes(type));
+#ifndef WIDE
+            if (type != Q8_0) {
+                quad_step(type, a, row, b, acc, offsets, R);
+                continue;
+            }
+#endif
             pair_step(type, a, row, b, acc[0], offsets, R, 0);
             pair_step(type, a, row, b + 2, acc[1], offsets, R, 0);
         }
