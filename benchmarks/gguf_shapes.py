@@ -139,10 +139,14 @@ def write_shape(path: Path, shape: Shape, type_name: str, seed: int = 0) -> Path
     return path
 
 
-def interleaved_decode(path: Path, threads: int, rounds: int = 6, tokens: int = 16) -> str:
-    """Decode speed of our engine and llama.cpp loaded side by side in this process, their runs of `tokens` steps
-    alternating (context 64 on): on a machine that others load too, each pair of runs meets the same load, where
-    `indexpool bench` times one engine's runs, then the other's. -> a line: medians and the ratio."""
+def interleaved(path: Path, threads: int, prefill_length: int, rounds: int = 6, tokens: int = 16,
+                prefill_rounds: int = 3) -> list[str]:
+    """Prefill and decode speed of our engine and llama.cpp loaded side by side in this process, their runs
+    alternating: a prompt of `prefill_length` tokens (each engine's own batch: our 512-token segments, llama.cpp's
+    n_batch 512), then runs of `tokens` decode steps (context 64 on). On a machine that others load too (a VM's
+    speed moved by 15% from one minute to the next here), each pair of runs meets the same load, where `indexpool
+    bench` times one engine's runs, then the other's. -> a line for each: medians and the ratio (the median of the
+    pairs' ratios)."""
     import statistics
     import time
 
@@ -154,11 +158,25 @@ def interleaved_decode(path: Path, threads: int, rounds: int = 6, tokens: int = 
 
     torch.set_num_threads(threads)
     model = load_engine(str(path), "auto", decode_weights="auto").model
-    room = 64 + tokens * (rounds + 1) + 8
+    room = max(prefill_length, 64 + tokens * (rounds + 1)) + 8
+    llm = Llama(model_path=str(path), n_ctx=room, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                verbose=False)
+    prompt = [100 + i % 20000 for i in range(prefill_length)]
+
+    def our_prompt() -> float:
+        session = Session(model, room)
+        start = time.perf_counter()
+        session.prefill(prompt)
+        return time.perf_counter() - start
+
+    def their_prompt() -> float:
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        return time.perf_counter() - start
+
     session = Session(model, room)
     session.prefill(list(range(100, 164)))
-    llm = Llama(model_path=str(path), n_ctx=room, n_threads=threads, n_batch=64, verbose=False)
-    llm.eval(list(range(100, 164)))
     token, position = torch.tensor([[42]]), 64
 
     def ours() -> float:
@@ -176,12 +194,23 @@ def interleaved_decode(path: Path, threads: int, rounds: int = 6, tokens: int = 
             llm.eval([42])
         return (time.perf_counter() - start) / tokens
 
-    ours(), theirs()  # warm-up
-    pairs = [(ours(), theirs()) for _ in range(rounds)]
-    a, b = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
-    ratio = statistics.median(p[1] / p[0] for p in pairs)
-    return (f"{path.name}, {threads} thread{'s' if threads != 1 else ''}: indexpool {a * 1e3:.1f} ms/token, llama.cpp {b * 1e3:.1f} ms/token "
-            f"(medians of {rounds} alternating runs of {tokens}); indexpool / llama.cpp decode speed {ratio:.2f}x")
+    def alternate(a, b, n: int) -> tuple[float, float, float]:
+        a(), b()  # warm-up
+        pairs = [(a(), b()) for _ in range(n)]
+        return (statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs),
+                statistics.median(p[1] / p[0] for p in pairs))
+
+    head = f"{path.name}, {threads} thread{'s' if threads != 1 else ''}"
+    a, b, ratio = alternate(our_prompt, their_prompt, prefill_rounds)
+    lines = [f"{head}: prefill of {prefill_length}: indexpool {prefill_length / a:.1f} tokens/s, llama.cpp "
+             f"{prefill_length / b:.1f} (medians of {prefill_rounds} alternating runs); indexpool / llama.cpp "
+             f"prefill speed {ratio:.2f}x"]
+    llm.reset()
+    llm.eval(list(range(100, 164)))
+    a, b, ratio = alternate(ours, theirs, rounds)
+    lines.append(f"{head}: decode: indexpool {a * 1e3:.1f} ms/token, llama.cpp {b * 1e3:.1f} ms/token (medians of "
+                 f"{rounds} alternating runs of {tokens}); indexpool / llama.cpp decode speed {ratio:.2f}x")
+    return lines
 
 
 def main() -> None:
@@ -194,8 +223,9 @@ def main() -> None:
     parser.add_argument("--contexts", default="512,4096")
     parser.add_argument("--prefill-length", default="512")
     parser.add_argument("--interleaved", type=int, metavar="THREADS",
-                        help="then time decode steps of our engine and llama.cpp alternately, in one process, with "
-                             "this many threads each (steadier than --bench where other work loads the machine)")
+                        help="then time prompts (--prefill-length) and decode steps of our engine and llama.cpp "
+                             "alternately, in one process, with this many threads each (steadier than --bench where "
+                             "other work loads the machine)")
     args = parser.parse_args()
     print(machine_description())
     args.out.mkdir(parents=True, exist_ok=True)
@@ -210,7 +240,8 @@ def main() -> None:
                                 "--engines", "indexpool,llama.cpp", "--contexts", args.contexts, "--prefill-length",
                                 args.prefill_length, "--decode-tokens", "16", "--repeats", "3"], check=False)
             if args.interleaved:
-                print(interleaved_decode(path, args.interleaved), flush=True)
+                for line in interleaved(path, args.interleaved, int(args.prefill_length)):
+                    print(line, flush=True)
 
 
 if __name__ == "__main__":
