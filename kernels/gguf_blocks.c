@@ -478,6 +478,17 @@ ALWAYS_INLINE __m256 nibble_pair_dot(Bytes u, const int8_t *q, int single) {
 }
 #endif
 
+#if !defined(WIDE) && !defined(VNNI)
+/* Sub-blocks 2p and 2p + 1 of a Q4_K or Q5_K super-block (k_levels' u.lo, u.hi) against their activations q:
+ * sum(u * q) of the first in lanes 0, 1, 4, 5, of the second in 2, 3, 6, 7. The maddubs pairs of each are summed
+ * in pairs as int16 (4 products of at most 31 * 127) before one madd. */
+ALWAYS_INLINE __m256 sub_block_pair_dot(Bytes u, const int8_t *q) {
+    const __m256i first = _mm256_maddubs_epi16(u.lo, load32((const uint8_t *)q));
+    const __m256i second = _mm256_maddubs_epi16(u.hi, load32((const uint8_t *)q + 32));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_hadd_epi16(first, second), _mm256_set1_epi16(1)));
+}
+#endif
+
 /* Their scales and offsets, in lanes 0 and 1. */
 ALWAYS_INLINE void pair_scales(int type, const uint8_t *a, const uint8_t *b, __m128 *scale, __m128 *offset) {
     uint16_t da, db;
@@ -636,9 +647,20 @@ ALWAYS_INLINE void k_quant_rows(const int type, const Activations a, const uint8
             for (int p = 0; p < 4; p++) {
                 const Bytes u = k_levels(type, block, p);
 #pragma GCC unroll 4
-                for (int r = 0; r < R; r++)
+                for (int r = 0; r < R; r++) {
+#if !defined(WIDE) && !defined(VNNI)
+                    if (per_32) { /* one widening, conversion and multiply-add for both sub-blocks */
+                        const __m256 f = _mm256_permutevar8x32_ps(
+                            factor[r].lo, _mm256_setr_epi32(2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p, 2 * p, 2 * p + 1,
+                                                            2 * p + 1));
+                        acc[r][p & 1].lo = _mm256_fmadd_ps(sub_block_pair_dot(u, a.q + r * K + k * SUPER + 64 * p), f,
+                                                           acc[r][p & 1].lo);
+                        continue;
+                    }
+#endif
                     acc[r][p & 1] = fmadd(dot(u, a.q + r * K + k * SUPER + 64 * p),
                                           per_32 ? spread_pair(factor[r], p) : spread(factor[r], p), acc[r][p & 1]);
+                }
             }
         }
 #pragma GCC unroll 4
