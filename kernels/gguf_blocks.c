@@ -479,9 +479,10 @@ ALWAYS_INLINE __m256 nibble_pair_dot(Bytes u, const int8_t *q, int single) {
 #endif
 
 #if !defined(WIDE) && !defined(VNNI)
-/* Sub-blocks 2p and 2p + 1 of a Q4_K or Q5_K super-block (k_levels' u.lo, u.hi) against their activations q:
- * sum(u * q) of the first in lanes 0, 1, 4, 5, of the second in 2, 3, 6, 7. The maddubs pairs of each are summed
- * in pairs as int16 (4 products of at most 31 * 127) before one madd. */
+/* 64 weights of a K-quant super-block (k_levels' u: their first 32 in u.lo, the next in u.hi) against their
+ * activations q: sum(u * q) of weights 0-15 in lanes 0, 1, of 32-47 in 2, 3, of 16-31 in 4, 5, of 48-63 in 6, 7.
+ * The maddubs pairs are summed in pairs as int16 (4 products of at most 63 * 127: Q6_K's levels) before one
+ * madd. */
 ALWAYS_INLINE __m256 sub_block_pair_dot(Bytes u, const int8_t *q) {
     const __m256i first = _mm256_maddubs_epi16(u.lo, load32((const uint8_t *)q));
     const __m256i second = _mm256_maddubs_epi16(u.hi, load32((const uint8_t *)q + 32));
@@ -649,17 +650,19 @@ ALWAYS_INLINE void k_quant_rows(const int type, const Activations a, const uint8
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
 #if !defined(WIDE) && !defined(VNNI)
-                    if (per_32) { /* one widening, conversion and multiply-add for both sub-blocks */
-                        const __m256 f = _mm256_permutevar8x32_ps(
-                            factor[r].lo, _mm256_setr_epi32(2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p, 2 * p, 2 * p + 1,
-                                                            2 * p + 1));
-                        acc[r][p & 1].lo = _mm256_fmadd_ps(sub_block_pair_dot(u, a.q + r * K + k * SUPER + 64 * p), f,
-                                                           acc[r][p & 1].lo);
-                        continue;
-                    }
-#endif
+                    /* one widening, conversion and multiply-add for the 64 weights: the factors in the lanes of
+                     * sub_block_pair_dot (per 32: the two sub-blocks 2p, 2p + 1; per 16: groups b .. b + 3) */
+                    const int b = 4 * (p % 2);
+                    const __m256i lanes = per_32 ? _mm256_setr_epi32(2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p, 2 * p,
+                                                                     2 * p + 1, 2 * p + 1)
+                                                 : _mm256_setr_epi32(b, b, b + 2, b + 2, b + 1, b + 1, b + 3, b + 3);
+                    const __m256 f = _mm256_permutevar8x32_ps(per_32 || p < 2 ? factor[r].lo : factor[r].hi, lanes);
+                    acc[r][p & 1].lo = _mm256_fmadd_ps(sub_block_pair_dot(u, a.q + r * K + k * SUPER + 64 * p), f,
+                                                       acc[r][p & 1].lo);
+#else
                     acc[r][p & 1] = fmadd(dot(u, a.q + r * K + k * SUPER + 64 * p),
                                           per_32 ? spread_pair(factor[r], p) : spread(factor[r], p), acc[r][p & 1]);
+#endif
                 }
             }
         }
