@@ -54,12 +54,28 @@ def projection_from_covariance(covariance: torch.Tensor, share: float) -> tuple[
     variance; R is the largest count. Directions are ordered by variance, most first."""
     if not 0 < share <= 1:
         raise ValueError(f"the share of key variance kept must be in (0, 1], not {share}")
-    values, vectors = torch.linalg.eigh(covariance)  # ascending
-    values, vectors = values.flip(-1).clamp_min(0), vectors.flip(-1)
+    if not torch.isfinite(covariance).all():
+        raise ValueError("the model's index keys overflowed while the index pruning was calibrated; read with "
+                         "--no-prune-index")
+    values, vectors = principal_directions(covariance)
     kept = values.cumsum(-1) / values.sum(-1, keepdim=True)
     needed = [int((row < share - 1e-9).sum()) + 1 for row in kept]
     width = min(max(needed), covariance.shape[-1])
     return vectors[..., :width].float().contiguous(), needed
+
+
+def principal_directions(covariance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each layer's variances (descending, >= 0) and directions (columns) of its keys' covariance. LAPACK's
+    symmetric eigensolver (divide and conquer, `eigh`'s) fails to converge on a covariance with many equal
+    eigenvalues, as where most of a layer's key dimensions are constant (a layer of a Llama-3.2-1B-shaped file:
+    27 directions of 512 vary, the others' variance exactly 0); the SVD takes those, and for a symmetric positive
+    semi-definite matrix gives the same directions and variances."""
+    try:
+        values, vectors = torch.linalg.eigh(covariance)  # ascending
+        return values.flip(-1).clamp_min(0), vectors.flip(-1)
+    except torch.linalg.LinAlgError:
+        vectors, values, _ = torch.linalg.svd(covariance)  # descending
+        return values, vectors
 
 
 @torch.inference_mode()

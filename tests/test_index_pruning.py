@@ -31,6 +31,32 @@ def test_the_directions_holding_the_share_of_the_variance_are_kept():
         projection_from_covariance(covariance, share=0)
 
 
+def test_a_covariance_the_eigensolver_refuses_is_decomposed_by_svd(monkeypatch):
+    """Where eigh fails to converge (LAPACK refused a layer whose keys vary in 27 of 512 directions, the rest
+    constant), the SVD gives the same directions (up to sign) and counts; a covariance that is not finite (keys
+    that overflowed) is refused with what to do."""
+    rotation = torch.linalg.qr(torch.randn(3, KV_DIM, KV_DIM, dtype=torch.float64,
+                                           generator=torch.Generator().manual_seed(2))).Q
+    variances = torch.zeros(3, KV_DIM, dtype=torch.float64)
+    variances[:, :5] = torch.tensor([[9.0, 4.0, 2.0, 1.0, 0.5], [3.0, 3.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
+    covariance = rotation @ torch.diag_embed(variances) @ rotation.transpose(1, 2)
+    want, want_needed = projection_from_covariance(covariance, share=0.95)
+
+    def refuse(matrix):
+        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "eigh", refuse)
+    got, needed = projection_from_covariance(covariance, share=0.95)
+    assert needed == want_needed == [4, 3, 1] and got.shape == want.shape
+    # the same directions: |cos| 1 where a variance stands alone (the equal pair of layer 1 spans the same plane)
+    cosines = (got * want).sum(1).abs()
+    torch.testing.assert_close(cosines[0], torch.ones(4, dtype=torch.float32), atol=1e-6, rtol=0)
+    plane = want[1, :, :2]
+    torch.testing.assert_close((plane.T @ got[1, :, :2]).norm(dim=0), torch.ones(2), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="no-prune-index"):
+        projection_from_covariance(covariance * float("inf"), share=0.95)
+
+
 def scores(indexer, keys, queries):
     """The indexer's scores (1, T, P) of queries (1, T, heads, head_dim) against keys (1, N, KV, head_dim), pooled
     as the IndexPool cache pools them."""
