@@ -1,10 +1,11 @@
-"""What computing on a GGUF file's blocks costs in quality: perplexity on real text, token by token.
+"""What computing on a GGUF file's blocks costs in quality: perplexity on real text, token by token and in prompts.
 
 A decode step on the blocks (`--decode-weights gguf`) rounds its activations to int8 blocks of 32 before the
-integer products (kernels/gguf_blocks.c); a prompt read in segments multiplies dequantized weights instead, exactly.
-So the text is fed one token at a time, each token a decode step, and its negative log-likelihood compared with
-the exact model's (`--decode-weights off`, fp32: dequantized weights, the text read in prefill segments), and with
-the int4/int8 decode copies (`--decode-weights int4`: the default model's own choice in fp32), in one run; the two
+integer products (kernels/gguf_blocks.c), and so does a prompt's segment in fp32 (`gguf_blocks.int8_prompts`: every
+format but Q8_0; in bf16 it multiplies dequantized weights). So the text is fed in fp32 prefill
+segments on the blocks, and one token at a time, each token a decode step, and its negative log-likelihood compared
+with the exact model's (`--decode-weights off`, fp32: dequantized weights, the text read in prefill segments), and
+with the int4/int8 decode copies (`--decode-weights int4`: the default model's own choice in fp32), in one run; the two
 token-by-token paths in `--dtype` (fp32, or bf16 as CPUs with native bf16 run them). Dense attention, Python's
 `pydoc_data.topics` from a fixed offset (as benchmarks/perplexity.py).
 
@@ -54,6 +55,7 @@ def main() -> None:
     rows = []
     for label, dtype, weights, one_by_one in (
             ("exact (off, fp32), prefill", "fp32", "off", False),
+            ("gguf blocks (fp32), prefill segments", "fp32", "gguf", False),
             (f"gguf blocks ({args.dtype}), token by token", args.dtype, "gguf", True),
             (f"int4/int8 decode copies ({args.dtype}), token by token", args.dtype, "int4", True)):
         loaded = load_engine(args.model, dtype, decode_weights=weights)

@@ -140,13 +140,13 @@ def write_shape(path: Path, shape: Shape, type_name: str, seed: int = 0) -> Path
 
 
 def interleaved(path: Path, threads: int, prefill_length: int, rounds: int = 6, tokens: int = 16,
-                prefill_rounds: int = 3) -> list[str]:
+                prefill_rounds: int = 3, dtype: str = "auto") -> list[str]:
     """Prefill and decode speed of our engine and llama.cpp loaded side by side in this process, their runs
     alternating: a prompt of `prefill_length` tokens (each engine's own batch: our 512-token segments, llama.cpp's
     n_batch 512), then runs of `tokens` decode steps (context 64 on). On a machine that others load too (a VM's
     speed moved by 15% from one minute to the next here), each pair of runs meets the same load, where `indexpool
     bench` times one engine's runs, then the other's. -> a line for each: medians and the ratio (the median of the
-    pairs' ratios)."""
+    pairs' ratios). `dtype`: our engine's (auto: bf16 where the CPU has it natively, else fp32)."""
     import statistics
     import time
 
@@ -157,7 +157,7 @@ def interleaved(path: Path, threads: int, prefill_length: int, rounds: int = 6, 
     from indexpool.model.runtime import load_engine
 
     torch.set_num_threads(threads)
-    model = load_engine(str(path), "auto", decode_weights="auto").model
+    model = load_engine(str(path), dtype, decode_weights="auto").model
     room = max(prefill_length, 64 + tokens * (rounds + 1)) + 8
     llm = Llama(model_path=str(path), n_ctx=room, n_threads=threads, n_threads_batch=threads, n_batch=512,
                 verbose=False)
@@ -200,7 +200,7 @@ def interleaved(path: Path, threads: int, prefill_length: int, rounds: int = 6, 
         return (statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs),
                 statistics.median(p[1] / p[0] for p in pairs))
 
-    head = f"{path.name}, {threads} thread{'s' if threads != 1 else ''}"
+    head = f"{path.name}, {threads} thread{'s' if threads != 1 else ''}, {str(model.dtype).removeprefix('torch.')}"
     a, b, ratio = alternate(our_prompt, their_prompt, prefill_rounds)
     lines = [f"{head}: prefill of {prefill_length}: indexpool {prefill_length / a:.1f} tokens/s, llama.cpp "
              f"{prefill_length / b:.1f} (medians of {prefill_rounds} alternating runs); indexpool / llama.cpp "
@@ -226,6 +226,8 @@ def main() -> None:
                         help="then time prompts (--prefill-length) and decode steps of our engine and llama.cpp "
                              "alternately, in one process, with this many threads each (steadier than --bench where "
                              "other work loads the machine)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                        help="our engine's dtype with --interleaved (auto: bf16 where the CPU has it natively)")
     args = parser.parse_args()
     print(machine_description())
     args.out.mkdir(parents=True, exist_ok=True)
@@ -240,7 +242,7 @@ def main() -> None:
                                 "--engines", "indexpool,llama.cpp", "--contexts", args.contexts, "--prefill-length",
                                 args.prefill_length, "--decode-tokens", "16", "--repeats", "3"], check=False)
             if args.interleaved:
-                for line in interleaved(path, args.interleaved, int(args.prefill_length)):
+                for line in interleaved(path, args.interleaved, int(args.prefill_length), dtype=args.dtype):
                     print(line, flush=True)
 
 

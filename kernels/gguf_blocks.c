@@ -44,6 +44,8 @@
  * gguf_linear_f16: fp16 weights (the file's F16 tensors) against fp32 activations, widened exactly.
  * gguf_dequantize: rows [row_begin, row_end) of a matrix to fp32 or bf16 (prefill multiplies them in torch; an
  *   embedding takes its tokens' rows), each weight scale * u + offset rounded once (fma; then to bf16).
+ * gguf_prompt_linear: gguf_linear's products for a prompt's many rows (every format but Q8_0 and F16), 8 weight
+ *   rows laid out side by side at a time (a model in fp32: GEMMs of dequantized rows are slower there).
  */
 #include <limits.h>
 #include <pthread.h>
@@ -476,6 +478,12 @@ ALWAYS_INLINE __m256 nibble_pair_dot(Bytes u, const int8_t *q, int single) {
 #endif
     return _mm256_cvtepi32_ps(sums);
 }
+
+/* acc + nibble_pair_dot's sums times their factors: lanes `first`, `first + 1` of f (block a's, b's d * d_x). */
+ALWAYS_INLINE __m256 nibble_pair_madd(__m256 acc, Bytes u, const int8_t *q, int single, __m256 f, const int first) {
+    const __m256i lanes = _mm256_setr_epi32(first, first, first, first, first + 1, first + 1, first + 1, first + 1);
+    return _mm256_fmadd_ps(nibble_pair_dot(u, q, single), _mm256_permutevar8x32_ps(f, lanes), acc);
+}
 #endif
 
 #if !defined(WIDE) && !defined(VNNI)
@@ -683,14 +691,13 @@ ALWAYS_INLINE void pair_step(const int type, const Activations a, const uint8_t 
 #ifndef WIDE
     if (type != Q8_0) {
         const Bytes u = nibble_pair_levels(type, first, second);
-        const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1); /* lanes 0-3 block b's, 4-7 b + 1's */
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const float *d = a.d + r * blocks + b, *s = a.s + r * blocks + b;
             const __m128 dx = single ? _mm_load_ss(d) : _mm_castpd_ps(_mm_load_sd((const double *)d));
             const __m128 sx = single ? _mm_load_ss(s) : _mm_castpd_ps(_mm_load_sd((const double *)s));
-            const __m256 factor = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(scale, dx)), halves);
-            acc[r].lo = _mm256_fmadd_ps(nibble_pair_dot(u, a.q + r * a.K + b * BLOCK, single), factor, acc[r].lo);
+            const __m256 f = _mm256_castps128_ps256(_mm_mul_ps(scale, dx));
+            acc[r].lo = nibble_pair_madd(acc[r].lo, u, a.q + r * a.K + b * BLOCK, single, f, 0);
             offsets[r] = _mm_fmadd_ps(offset, sx, offsets[r]);
         }
         return;
@@ -781,12 +788,8 @@ ALWAYS_INLINE void quad_step(const int type, const Activations a, const uint8_t 
         const __m256 f = _mm256_castps128_ps256(_mm_mul_ps(scale, _mm_loadu_ps(a.d + r * blocks + b)));
         const int8_t *q = a.q + r * a.K + b * BLOCK;
         offsets[r] = _mm_fmadd_ps(offset, _mm_loadu_ps(a.s + r * blocks + b), offsets[r]);
-        acc[0][r].lo = _mm256_fmadd_ps(nibble_pair_dot(u0, q, 0),
-                                       _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)),
-                                       acc[0][r].lo);
-        acc[1][r].lo = _mm256_fmadd_ps(nibble_pair_dot(u1, q + 2 * BLOCK, 0),
-                                       _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)),
-                                       acc[1][r].lo);
+        acc[0][r].lo = nibble_pair_madd(acc[0][r].lo, u0, q, 0, f, 0);
+        acc[1][r].lo = nibble_pair_madd(acc[1][r].lo, u1, q + 2 * BLOCK, 0, f, 2);
     }
 }
 #endif
@@ -960,7 +963,7 @@ static int linear_share(const void *args, int64_t n_begin, int64_t n_end) {
                                   : pair_rows(T, a, w, row_bytes, begin, end, o, r, R))
 #define ROWS(T)                                                                                                   \
     do {                                                                                                          \
-        if (MAX_ROWS >= 4 && take >= 4) CASE(T, 4);                                                               \
+        if (MAX_ROWS >= 4 && take == 4) CASE(T, 4);                                                               \
         else if (MAX_ROWS >= 3 && take == 3) CASE(T, 3);                                                          \
         else if (MAX_ROWS >= 2 && take == 2) CASE(T, 2);                                                          \
         else CASE(T, 1);                                                                                          \
@@ -1049,7 +1052,7 @@ static int f16_share(const void *args, int64_t n_begin, int64_t n_end) {
             const int64_t take = l->rows - r < MAX_ROWS ? l->rows - r : MAX_ROWS, x_stride = l->x_stride;
             const float *xr = l->x + r * x_stride;
             const Output *o = &l->out;
-            if (MAX_ROWS >= 4 && take >= 4) f16_rows(xr, x_stride, K, w, begin, end, o, r, 4);
+            if (MAX_ROWS >= 4 && take == 4) f16_rows(xr, x_stride, K, w, begin, end, o, r, 4);
             else if (MAX_ROWS >= 3 && take == 3) f16_rows(xr, x_stride, K, w, begin, end, o, r, 3);
             else if (MAX_ROWS >= 2 && take == 2) f16_rows(xr, x_stride, K, w, begin, end, o, r, 2);
             else f16_rows(xr, x_stride, K, w, begin, end, o, r, 1);
@@ -1196,4 +1199,217 @@ int gguf_dequantize(int type, const uint8_t *w, int64_t row_bytes, int64_t row_b
     const Dequantize a = {.type = type, .bf16 = out_bf16 != 0, .w = w, .row_bytes = row_bytes, .row_begin = row_begin,
                           .K = K, .out_stride = out_stride, .out = out};
     return run_shares(dequantize_share, &a, row_begin, row_end, threads);
+}
+
+/* ------------------------------------------------------------------------------------------------ prompts */
+
+/* Many rows (a prompt's) against a matrix of a format with levels of at most 6 bits (all but Q8_0). In fp32 the
+ * dequantized slices' GEMM runs at the core's fp32 peak, which is below int8 products' (llama.cpp's prompts). So 8
+ * weight rows at a time are laid out as a tile: per block of 32, register j holds weights 4j .. 4j + 3 of each of
+ * the 8 rows, and 4 int8 activations broadcast against it give all 8 rows' partial sums in one maddubs (the
+ * unpacking paid once for all the prompt's rows), widened and scaled once a block, or once a group of 16 for the
+ * formats with a scale per 16 (Q2_K, Q3_K, Q6_K). The same products as gguf_linear's: the activations' int8
+ * blocks. One thread of an AVX-512 EPYC, 512 rows, the 1B shape's three matrix shapes: 160-180 G products a second
+ * built for AVX2 (Q4_0, Q4_K, Q5_K), 200-230 G with VNNI, against MKL's fp32 GEMM's 90-97 G either way. */
+#define TILE 8   /* weight rows a tile */
+#define TILE_X 4 /* activation rows a pass over a tile */
+
+typedef struct { /* a block of 32 weights of 8 rows (lanes past the matrix's end: not read out) */
+    uint8_t u[8][32]; /* [j][4r + i]: level of weight 4j + i of row r */
+    float scale[2][TILE], offset[2][TILE]; /* row r's weights 16h .. 16h + 15: scale[h][r] * u + offset[h][r] */
+} TileBlock;
+
+static int prompt_type(int type) { return block_bytes(type) && type != Q8_0; }
+static int per_16(int type) { return type == Q2_K || type == Q3_K || type == Q6_K; }
+
+ALWAYS_INLINE void store_bytes(uint8_t *p, Bytes v) {
+#ifdef WIDE
+    _mm512_storeu_si512(p, v);
+#else
+    _mm256_storeu_si256((__m256i *)p, v.lo);
+    _mm256_storeu_si256((__m256i *)(p + 32), v.hi);
+#endif
+}
+
+/* Row r of a tile's block: its 32 levels in their places, the scale and offset of each 16. */
+ALWAYS_INLINE void tile_place(TileBlock *t, int r, const uint8_t *levels, const float *scale, const float *offset) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) memcpy(&t->u[j][4 * r], levels + 4 * j, 4);
+    t->scale[0][r] = scale[0], t->scale[1][r] = scale[1], t->offset[0][r] = offset[0], t->offset[1][r] = offset[1];
+}
+
+/* Rows n .. n + count - 1 (count <= 8) of the matrix as tiles[K / 32]. */
+ALWAYS_INLINE void tile_rows(const int type, const uint8_t *w, int64_t row_bytes, int64_t n, int count, int64_t K,
+                             TileBlock *tiles) {
+    const int64_t blocks = K / BLOCK;
+    for (int r = 0; r < count; r++) {
+        const uint8_t *row = w + (n + r) * row_bytes;
+        uint8_t levels[64];
+        if (is_k_quant(type)) {
+            for (int64_t k = 0; k < K / SUPER; k++) {
+                const uint8_t *block = row + k * block_bytes(type);
+                float scale[16], offset[16]; /* per 16 weights */
+                if (per_16(type)) {
+                    const GroupScales g = k_scales(type, block);
+                    store16(scale, g.scale);
+                    store16(offset, g.offset);
+                } else { /* d * sc_j, then dmin * m_j: w = d * sc_j * u - dmin * m_j */
+                    float g[16];
+                    store16(g, k_scales32(block));
+                    for (int i = 0; i < 16; i++) scale[i] = g[i / 2], offset[i] = -g[8 + i / 2];
+                }
+#pragma GCC unroll 4
+                for (int p = 0; p < 4; p++) {
+                    store_bytes(levels, k_levels(type, block, p));
+                    tile_place(tiles + 8 * k + 2 * p, r, levels, scale + 4 * p, offset + 4 * p);
+                    tile_place(tiles + 8 * k + 2 * p + 1, r, levels + 32, scale + 4 * p + 2, offset + 4 * p + 2);
+                }
+            }
+            continue;
+        }
+        for (int64_t b = 0; b < blocks; b += 2) {
+            const uint8_t *first = row + b * block_bytes(type), *second = b + 1 < blocks ? first + block_bytes(type)
+                                                                                           : first;
+            __m128 scale2, offset2;
+            pair_scales(type, first, second, &scale2, &offset2);
+            float s[4], o[4];
+            _mm_storeu_ps(s, scale2);
+            _mm_storeu_ps(o, offset2);
+            const float scale[4] = {s[0], s[0], s[1], s[1]}, offset[4] = {o[0], o[0], o[1], o[1]};
+            store_bytes(levels, pair_levels(type, first, second));
+            tile_place(tiles + b, r, levels, scale, offset);
+            if (b + 1 < blocks) tile_place(tiles + b + 1, r, levels + 32, scale + 2, offset + 2);
+        }
+    }
+}
+
+/* sum + u * q over 4-byte groups (int32 lanes), or as int16 pairs where the CPU has no VNNI (the caller widens). */
+ALWAYS_INLINE __m256i tile_dot(__m256i sum, __m256i u, const int8_t *q) {
+    int32_t four;
+    memcpy(&four, q, 4);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(sum, u, _mm256_set1_epi32(four));
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(sum, u, _mm256_set1_epi32(four));
+#else
+    return _mm256_add_epi16(sum, _mm256_maddubs_epi16(u, _mm256_set1_epi32(four)));
+#endif
+}
+
+/* Activation rows 0 .. X - 1 of `a` against a tile: acc[x] lane r = output of weight row r. `step` j's int16 sums
+ * are widened at a time without VNNI: 4 (4 * 2 * 31 * 127 fits; a whole block's fit 4-bit levels only, and ran 10%
+ * slower: one longer chain of additions), or 2 for 6-bit levels (2 * 2 * 63 * 127). Each 16's sums are scaled on
+ * their own where `per16`. */
+ALWAYS_INLINE void tile_product(const TileBlock *tiles, const Activations a, const int X, const int per16,
+                                const int step, __m256 *acc) {
+    const int64_t K = a.K, blocks = K / BLOCK;
+#pragma GCC unroll 4
+    for (int x = 0; x < X; x++) acc[x] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const TileBlock *t = tiles + b;
+        __m256i sums[2][TILE_X]; /* per 16 */
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+#pragma GCC unroll 4
+            for (int x = 0; x < X; x++) sums[h][x] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+            for (int j0 = 4 * h; j0 < 4 * h + 4; j0 += step) {
+                __m256i part[TILE_X];
+#pragma GCC unroll 4
+                for (int x = 0; x < X; x++) part[x] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+                for (int j = j0; j < j0 + step; j++) {
+                    const __m256i u = _mm256_loadu_si256((const __m256i *)t->u[j]);
+#pragma GCC unroll 4
+                    for (int x = 0; x < X; x++) part[x] = tile_dot(part[x], u, a.q + x * K + b * BLOCK + 4 * j);
+                }
+#pragma GCC unroll 4
+                for (int x = 0; x < X; x++)
+#ifdef VNNI
+                    sums[h][x] = _mm256_add_epi32(sums[h][x], part[x]);
+#else
+                    sums[h][x] = _mm256_add_epi32(sums[h][x], _mm256_madd_epi16(part[x], _mm256_set1_epi16(1)));
+#endif
+            }
+        }
+        for (int h = 0; h < (per16 ? 2 : 1); h++) {
+            const __m256 scale = _mm256_loadu_ps(t->scale[h]), offset = _mm256_loadu_ps(t->offset[h]);
+#pragma GCC unroll 4
+            for (int x = 0; x < X; x++) {
+                const __m256i sum = per16 ? sums[h][x] : _mm256_add_epi32(sums[0][x], sums[1][x]);
+                const float *s = per16 ? a.s16 + x * 2 * blocks + 2 * b + h : a.s + x * blocks + b;
+                const __m256 factor = _mm256_mul_ps(scale, _mm256_broadcast_ss(a.d + x * blocks + b));
+                acc[x] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), factor, acc[x]);
+                acc[x] = _mm256_fmadd_ps(offset, _mm256_broadcast_ss(s), acc[x]);
+            }
+        }
+    }
+}
+
+typedef struct {
+    int type;
+    Activations a;
+    int64_t rows;
+    const uint8_t *w;
+    Output out;
+} Prompt;
+
+static int prompt_share(const void *args, int64_t n_begin, int64_t n_end) {
+    const Prompt *p = args;
+    const int type = p->type;
+    const int64_t K = p->a.K, blocks = K / BLOCK, row_bytes = row_size(type, K);
+    /* 10 bytes an input (80 KiB for K = 8192): in L2. Zeros at first: a last tile's unused lanes hold numbers */
+    TileBlock *tiles = calloc(blocks, sizeof(TileBlock));
+    if (!tiles) return 1;
+    const Output *o = &p->out;
+    const int direct = !o->bf16 && !o->columns;
+    for (int64_t n = n_begin; n < n_end; n += TILE) {
+        const int count = n_end - n < TILE ? (int)(n_end - n) : TILE;
+        switch (type) { /* the type a constant in each copy */
+            case Q4_0: tile_rows(Q4_0, p->w, row_bytes, n, count, K, tiles); break;
+            case Q4_1: tile_rows(Q4_1, p->w, row_bytes, n, count, K, tiles); break;
+            case Q5_0: tile_rows(Q5_0, p->w, row_bytes, n, count, K, tiles); break;
+            case Q5_1: tile_rows(Q5_1, p->w, row_bytes, n, count, K, tiles); break;
+            case Q2_K: tile_rows(Q2_K, p->w, row_bytes, n, count, K, tiles); break;
+            case Q3_K: tile_rows(Q3_K, p->w, row_bytes, n, count, K, tiles); break;
+            case Q4_K: tile_rows(Q4_K, p->w, row_bytes, n, count, K, tiles); break;
+            case Q5_K: tile_rows(Q5_K, p->w, row_bytes, n, count, K, tiles); break;
+            default: tile_rows(Q6_K, p->w, row_bytes, n, count, K, tiles); break;
+        }
+        for (int64_t x = 0; x < p->rows; x += TILE_X) {
+            const Activations a = {p->a.q + x * K, p->a.d + x * blocks, p->a.s + x * blocks,
+                                   p->a.s16 + x * 2 * blocks, K};
+            const int take = p->rows - x < TILE_X ? (int)(p->rows - x) : TILE_X;
+            __m256 acc[TILE_X];
+#define PRODUCT(X) (type == Q6_K ? tile_product(tiles, a, X, 1, 2, acc)                                          \
+                    : per_16(type) ? tile_product(tiles, a, X, 1, 4, acc) : tile_product(tiles, a, X, 0, 4, acc))
+            if (take == 4) PRODUCT(4);
+            else if (take == 3) PRODUCT(3);
+            else if (take == 2) PRODUCT(2);
+            else PRODUCT(1);
+#undef PRODUCT
+            for (int i = 0; i < take; i++) {
+                if (direct && count == TILE) {
+                    _mm256_storeu_ps((float *)o->y + (x + i) * o->stride + n, acc[i]);
+                    continue;
+                }
+                float v[TILE];
+                _mm256_storeu_ps(v, acc[i]);
+                for (int r = 0; r < count; r++) put(o, x + i, n + r, v[r]);
+            }
+        }
+    }
+    free(tiles);
+    return 0;
+}
+
+/* y = the activations' int8 blocks (gguf_quantize_rows) times the matrix (N rows at w) for a prompt's rows, in
+ * fp32 or bf16 rows y_stride elements apart, output n in column columns[n] (NULL: n). Types: prompt_type's. */
+int gguf_prompt_linear(int type, const int8_t *q, const float *d, const float *s, const float *s16, int64_t rows,
+                       int64_t K, const uint8_t *w, int64_t N, void *y, int64_t y_stride, int y_bf16,
+                       const int64_t *columns, int threads) {
+    if (!prompt_type(type) || K % block_weights(type) || K <= 0) return 1;
+    const Prompt p = {.type = type, .a = {q, d, s, s16, K}, .rows = rows, .w = w,
+                      .out = {y, y_stride, y_bf16 != 0, columns}};
+    return run_shares(prompt_share, &p, 0, N, threads);
 }

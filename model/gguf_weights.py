@@ -19,7 +19,8 @@ from torch import nn
 from indexpool.kernels import gguf_blocks
 
 # Up to this many rows a layer quantizes its activations and computes on the blocks (a decode step, a few
-# branches); more rows (prefill) multiply slices of dequantized weights in the model's dtype.
+# branches); more rows (prefill) multiply slices of dequantized weights in the model's dtype, or in fp32 take the
+# prompt kernel's int8 products where the format allows (`gguf_blocks.int8_prompts`).
 BLOCK_ROWS = 8
 
 
@@ -83,13 +84,17 @@ class BlockLinear(nn.Module):
             # each part's product written into its columns of one output, reordered as it is written (products
             # joined by torch.cat, then reordered, would hold a prompt's activations three times)
             y = torch.empty(flat.shape[0], self.out_features, dtype=flat.dtype)
-            first = 0
+            first, activations = 0, None
             for part in self.parts:
                 # the part's own columns, or all of y and the columns its rows go to
                 out, columns = (y[:, first : first + part.rows], None) if self.where is None else \
                     (y, self.where[first : first + part.rows])
                 if part.dense is not None:
                     gguf_blocks.write_columns(out, 0, F.linear(flat, part.dense.to(flat.dtype)), columns)
+                elif gguf_blocks.int8_prompts(part.qtype, flat.dtype):
+                    activations = activations or gguf_blocks.quantize_activations(flat.contiguous())
+                    gguf_blocks.prompt_linear(flat, part.blocks, part.qtype, self.in_features, activations, out=out,
+                                              columns=columns)
                 else:
                     gguf_blocks.matmul_dequantized(flat, part.blocks, part.qtype, self.in_features, out=out,
                                                    columns=columns)
@@ -106,9 +111,15 @@ class BlockLinear(nn.Module):
         if not self.gated_pair or self._few_rows(flat):
             return None
         gate, up = self.parts
-        h = gguf_blocks.matmul_dequantized(flat, gate.blocks, gate.qtype, self.in_features)
+        if gguf_blocks.int8_prompts(gate.qtype, flat.dtype) and gguf_blocks.int8_prompts(up.qtype, flat.dtype):
+            activations = gguf_blocks.quantize_activations(flat.contiguous())
+            h = gguf_blocks.prompt_linear(flat, gate.blocks, gate.qtype, self.in_features, activations)
+            products = gguf_blocks.prompt_products(activations, up.blocks, up.qtype, self.in_features)
+        else:
+            h = gguf_blocks.matmul_dequantized(flat, gate.blocks, gate.qtype, self.in_features)
+            products = gguf_blocks.dequantized_products(flat, up.blocks, up.qtype, self.in_features)
         F.silu(h, inplace=True)
-        for first, product in gguf_blocks.dequantized_products(flat, up.blocks, up.qtype, self.in_features):
+        for first, product in products:
             h[:, first : first + product.shape[1]] *= product
         return h.reshape(*x.shape[:-1], gate.rows)
 

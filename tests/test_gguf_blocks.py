@@ -3,8 +3,9 @@ references against the `gguf` package: blocks made by gguf's own quantizer (rand
 cannot make), shapes that are awkward for the kernels (one output row, output counts that do not divide the
 threads' split, 1 to 9 activation rows, not a multiple of the 4 rows a pass takes, rows of blocks that are not
 whole groups of 8), zero blocks, extreme values; the kernels built for AVX2 alone too (without VNNI, and AVX-512
-without GFNI); a decode step's layer in one call (its rows quantized in the call, its outputs written in the model's
-dtype where the layer's order puts them); and the float types' rows used where they lie."""
+without GFNI); the prompt kernel (8 weight rows a tile: tails of tiles and of activation rows); a decode step's
+layer in one call (its rows quantized in the call, its outputs written in the model's dtype where the layer's order
+puts them); and the float types' rows used where they lie."""
 
 from __future__ import annotations
 
@@ -104,11 +105,13 @@ def test_activation_blocks_match_the_reference():
             torch.allclose(got.reshape(want.shape), want, rtol=1e-6, atol=0)
 
 
-def assert_linear_matches(name: str, n: int, k: int, rows: int, library=None) -> None:
+def assert_linear_matches(name: str, n: int, k: int, rows: int, library=None, prompt: bool = False) -> None:
+    """The decode kernel (`prompt`: the prompt kernel) against the reference."""
     blocks = blocks_of(weight(n, k, seed=n * k), name)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n + k)) * 2
     want = gguf_blocks.linear_reference(x, blocks, TYPES[name]).double()
-    got = gguf_blocks.linear(x, blocks, TYPES[name], library=library).double()
+    got = (gguf_blocks.prompt_linear(x, blocks, TYPES[name], k, library=library) if prompt
+           else gguf_blocks.linear(x, blocks, TYPES[name], library=library)).double()
     # the same integer sums (the float types: the same products); the fp32 scaling and summation orders differ: a
     # few ulps of the sum of |terms|
     scale = (x.double().abs() @ gguf_blocks.dequantize_reference(blocks, TYPES[name]).double().abs().T)
@@ -152,10 +155,115 @@ def test_the_other_builds_of_the_kernels_match_the_reference(flags):
     for name in TYPES:
         if name not in ("F32", "BF16"):  # those are torch's and cpu_linear's
             assert_linear_matches(name, 67, width(name, 352), 3, library)
+            if name in LEVEL_BYTES:
+                largest_sums(name, width(name, 64), library)
+            if TYPES[name] in gguf_blocks.PROMPT_TYPES:  # the prompt kernel's maddubs sums, 4 rows and a tail
+                assert_linear_matches(name, 67, width(name, 352), 7, library, prompt=True)
+                largest_sums(name, width(name, 64), library, prompt=True)
             k = width(name, 352)
             blocks = blocks_of(weight(5, k, seed=2), name)
             assert torch.equal(gguf_blocks.dequantize(blocks, TYPES[name], k, library=library),
                                gguf_blocks.dequantize_reference(blocks, TYPES[name]))
+
+
+PROMPT_NAMES = [name for name, qtype in TYPES.items() if qtype in gguf_blocks.PROMPT_TYPES]
+
+
+def mixed_layer(runs: tuple[tuple[int, str], ...]):
+    """A fused layer of the given (rows, type) parts of 256 inputs and a dense part of 16 rows, its 144 outputs
+    reordered: (in_features, parts, order, layer)."""
+    from indexpool.model.gguf_weights import BlockLinear, WeightPart
+
+    k = width("Q4_K", 32)
+    parts = [WeightPart(k, blocks_of(weight(n, k, seed=n), name), TYPES[name]) for n, name in runs]
+    parts.append(WeightPart(k, dense=torch.randn(16, k, generator=torch.Generator().manual_seed(4))))
+    order = torch.randperm(144, generator=torch.Generator().manual_seed(5))
+    return k, parts, order, BlockLinear(parts, k, order=order)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", PROMPT_NAMES)
+@pytest.mark.parametrize("n, k, rows", [(1, 32, 9), (7, 64, 1), (13, 96, 5), (67, 160, 13), (130, 32, 4),
+                                        (9, 2048, 18)])
+def test_the_prompt_kernel_matches_its_reference(name, n, k, rows):
+    """8 weight rows a tile (1, 7, 9, 13 rows: a tile's tail), 4 activation rows a pass (1, 5, 13, 18: a tail),
+    an odd number of blocks a row (96, 160); every format with levels of at most 6 bits (Q6_K's 16-bit sums
+    widened every 2 steps, the others' every 4), a scale per 16 or 32 weights."""
+    assert_linear_matches(name, n, width(name, k), rows, prompt=True)
+
+
+# the bytes of a block that hold its levels (the rest: scales, mins)
+LEVEL_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24), "Q8_0": (2, 34),
+               "Q2_K": (16, 80), "Q3_K": (0, 96), "Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192)}
+
+
+def largest_sums(name: str, k: int, library=None, prompt: bool = False) -> None:
+    """Every level at its largest (all bits set) against activations whose levels are all 127: the integer sums
+    as large as they get, where 16-bit partial sums added too far would wrap."""
+    blocks = blocks_of(weight(9, k, seed=3), name).reshape(9, -1, GGML_QUANT_SIZES[GGMLQuantizationType[name]][1])
+    first, end = LEVEL_BYTES[name]
+    blocks[..., first:end] = 255 if name != "Q8_0" else 127
+    blocks = blocks.reshape(9, -1)
+    x = torch.ones(5, k)
+    want = gguf_blocks.linear_reference(x, blocks, TYPES[name]).double()
+    got = (gguf_blocks.prompt_linear(x, blocks, TYPES[name], k, library=library) if prompt
+           else gguf_blocks.linear(x, blocks, TYPES[name], library=library)).double()
+    scale = x.double().abs() @ gguf_blocks.dequantize_reference(blocks, TYPES[name]).double().abs().T
+    assert ((got - want).abs() <= scale * 2e-6 + 1e-6).all(), name
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_the_largest_integer_sums_do_not_wrap(name):
+    largest_sums(name, width(name, 64))
+    if TYPES[name] in gguf_blocks.PROMPT_TYPES:
+        largest_sums(name, width(name, 64), prompt=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["Q4_1", "Q5_K"])
+def test_the_prompt_kernel_writes_its_columns_in_the_rows_dtype(name):
+    """Into a column slice of a wider output, or into the columns given (bf16 rounded as torch rounds), its
+    activations quantized once for several matrices; the same as its own fp32 output."""
+    k = width(name, 64)
+    blocks = blocks_of(weight(45, k, seed=8), name)
+    x = torch.randn(10, k, generator=torch.Generator().manual_seed(3))
+    activations = gguf_blocks.quantize_activations(x)
+    want = gguf_blocks.prompt_linear(x, blocks, TYPES[name], k)
+    wide = torch.zeros(10, 60)
+    gguf_blocks.prompt_linear(None, blocks, TYPES[name], k, activations, out=wide[:, 5:50])
+    assert torch.equal(wide[:, 5:50], want) and not wide[:, :5].any() and not wide[:, 50:].any()
+    columns = torch.randperm(60, generator=torch.Generator().manual_seed(4))[:45]
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.zeros(10, 60, dtype=dtype)
+        gguf_blocks.prompt_linear(None, blocks, TYPES[name], k, activations, out=out, columns=columns)
+        assert torch.equal(out[:, columns], want.to(dtype))
+        assert not out[:, [c for c in range(60) if c not in columns.tolist()]].any()
+    with pytest.raises(ValueError):  # a format it does not take
+        gguf_blocks.prompt_linear(x, blocks_of(weight(8, k, seed=8), "Q8_0"), TYPES["Q8_0"], k)
+
+
+@needs_kernel
+def test_a_prompt_through_a_layer_takes_the_prompt_kernel_where_it_applies():
+    """fp32 prompts: a fused, reordered layer of Q4_K, Q8_0, Q6_K and dense parts computes its Q4_K and Q6_K parts
+    by the prompt kernel (its activations quantized once) and the others as before, and a gate/up pair's
+    silu(gate) * up takes it for both; bf16 prompts keep the dequantized GEMMs."""
+    from indexpool.model.gguf_weights import BlockLinear, WeightPart
+
+    k, parts, order, layer = mixed_layer(((64, "Q4_K"), (40, "Q8_0"), (24, "Q6_K")))
+    x = torch.randn(21, k, generator=torch.Generator().manual_seed(6))
+    want = torch.cat([gguf_blocks.prompt_linear(x, parts[0].blocks, TYPES["Q4_K"], k),
+                      gguf_blocks.matmul_dequantized(x, parts[1].blocks, TYPES["Q8_0"], k),
+                      gguf_blocks.prompt_linear(x, parts[2].blocks, TYPES["Q6_K"], k), x @ parts[3].dense.T], dim=-1)
+    assert torch.equal(layer(x), want.index_select(-1, order))
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(layer(xb)[:, order.argsort()[:64]],
+                       gguf_blocks.matmul_dequantized(xb, parts[0].blocks, TYPES["Q4_K"], k))
+    gate, up = (WeightPart(k, blocks_of(weight(72, k, seed=s), name), TYPES[name])
+                for s, name in ((1, "Q4_K"), (2, "Q6_K")))
+    gated = BlockLinear([gate, up], k).silu_gated(x)
+    assert torch.equal(gated, torch.nn.functional.silu(gguf_blocks.prompt_linear(x, gate.blocks, TYPES["Q4_K"], k))
+                       * gguf_blocks.prompt_linear(x, up.blocks, TYPES["Q6_K"], k))
 
 
 @needs_kernel
@@ -205,14 +313,7 @@ def test_a_decode_step_of_a_mixed_reordered_layer_is_its_parts_reordered():
     """A fused layer of several types (a Q4_K_M file's Q, K in Q4_K and V in Q6_K) and a dense part, its outputs
     reordered (llama's Q and K rows): the decode path writes each run's outputs in place, in the model's dtype; the
     same as the runs' products put side by side, reordered and rounded."""
-    from indexpool.model.gguf_weights import BlockLinear, WeightPart
-
-    k = width("Q4_K", 32)
-    parts = [WeightPart(k, blocks_of(weight(n, k, seed=n), name), TYPES[name])
-             for n, name in ((64, "Q4_K"), (32, "Q4_K"), (32, "Q6_K"))]
-    parts.append(WeightPart(k, dense=torch.randn(16, k, generator=torch.Generator().manual_seed(4))))
-    order = torch.randperm(144, generator=torch.Generator().manual_seed(5))
-    layer = BlockLinear(parts, k, order=order)
+    k, parts, order, layer = mixed_layer(((64, "Q4_K"), (32, "Q4_K"), (32, "Q6_K")))
     for dtype in (torch.float32, torch.bfloat16):  # the model's dtype: the rows', the outputs'
         x = torch.randn(3, k, generator=torch.Generator().manual_seed(6)).to(dtype)
         products = [gguf_blocks.linear(x, [p.blocks for p in parts[:2]], TYPES["Q4_K"]),
