@@ -14,6 +14,7 @@ process each: load time, prefill, decode, peak RSS.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -22,6 +23,13 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import machine_description
+from indexpool.model import USER_OMP_WAIT_POLICY
+
+# --interleaved loads both engines in this process, which holds one OpenMP runtime (torch's libgomp; llama.cpp's
+# library takes the one loaded): they run under the user's policy, libgomp's spinning threads by default, not the
+# engine's passive ones (`indexpool.model`; llama.cpp's decode ran 25% slower with those). Set before torch loads.
+if USER_OMP_WAIT_POLICY is None:
+    os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 @dataclass(frozen=True)
@@ -146,7 +154,8 @@ def interleaved(path: Path, threads: int, prefill_length: int, rounds: int = 6, 
     n_batch 512), then runs of `tokens` decode steps (context 64 on). On a machine that others load too (a VM's
     speed moved by 15% from one minute to the next here), each pair of runs meets the same load, where `indexpool
     bench` times one engine's runs, then the other's. -> a line for each: medians and the ratio (the median of the
-    pairs' ratios). `dtype`: our engine's (auto: bf16 where the CPU has it natively, else fp32)."""
+    pairs' ratios). `dtype`: our engine's (auto: bf16 where the CPU has it natively, else fp32). Both under the
+    OpenMP policy the user gave (below)."""
     import statistics
     import time
 

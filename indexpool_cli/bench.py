@@ -28,6 +28,7 @@ def run_bench(model, contexts, prefill_length, decode_tokens, repeats, engines, 
     """decode_weights: our engine runs once per choice (`--decode-weights`), in this order; the ratios are the
     first run's. threads: every engine's thread count (default: PyTorch's, one per physical core, as our engine)."""
     import torch
+    from indexpool.model import user_environment
     from indexpool.model.default_model import default_model_path
 
     from .console import err_console
@@ -50,7 +51,8 @@ def run_bench(model, contexts, prefill_length, decode_tokens, repeats, engines, 
                 continue
             job = {**spec, **variant}
             err_console.print(f"[dim]running {engine} ({', '.join(variant.values())})...[/dim]")
-            proc = subprocess.run([sys.executable, "-m", "indexpool.bench", engine, json.dumps(job)], capture_output=True, text=True)
+            proc = subprocess.run([sys.executable, "-m", "indexpool.bench", engine, json.dumps(job)], capture_output=True,
+                                  text=True, env=None if engine == "indexpool" else user_environment())
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
             if proc.returncode != 0 or not lines:
                 reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]

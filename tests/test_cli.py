@@ -381,6 +381,38 @@ def test_bench_gives_every_engine_the_same_threads(monkeypatch, capsys):
     assert "--threads" in assert_error(indexpool("bench", "--threads", "0"), 2)
 
 
+def test_the_engine_keeps_torchs_threads_passive_and_other_engines_get_the_users_setting(monkeypatch):
+    """OpenMP threads that spin after torch's operations hold the cores our C kernels need: a process that imports
+    the engine (the command, a benchmark) sets them passive before torch loads, unless the user chose otherwise; the
+    bench's other engines get the environment as the user gave it."""
+    from indexpool import bench
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    probe = "import indexpool.model, os, torch; print(repr(os.environ.get('OMP_WAIT_POLICY')))"
+    for given, want in ((None, "'PASSIVE'"), ("", "''"), ("ACTIVE", "'ACTIVE'")):
+        child = env if given is None else {**env, "OMP_WAIT_POLICY": given}
+        out = subprocess.run([sys.executable, "-c", probe], env=child, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want
+    jobs = {}
+
+    def fake_run(command, env=None, **kwargs):
+        jobs[command[-2]] = (env or os.environ).get("OMP_WAIT_POLICY", "unset")
+        job = json.loads(command[-1])
+        figures = {"engine": command[-2], "dtype": job["dtype"], "prefill_tps": 1.0, "decode_tps": {"16": 1.0},
+                   "peak_rss_mib": 1.0}
+        return subprocess.CompletedProcess(command, 0, stdout=json.dumps(figures) + "\n", stderr="")
+
+    import indexpool.model
+
+    monkeypatch.setattr(indexpool.model, "USER_OMP_WAIT_POLICY", None)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    find_spec = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: object() if name == "llama_cpp" else find_spec(name))
+    bench.run_bench(None, [16], 64, 2, 1, ["indexpool", "llama.cpp"], json_out=True, threads=1)
+    assert jobs == {"indexpool": "PASSIVE", "llama.cpp": "unset"}
+
+
 def test_missing_default_model(tmp_path):
     # A sitecustomize.py on PYTHONPATH runs at interpreter start-up and hides the model wheel from find_spec.
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""\
