@@ -44,8 +44,9 @@
  * gguf_linear_f16: fp16 weights (the file's F16 tensors) against fp32 activations, widened exactly.
  * gguf_dequantize: rows [row_begin, row_end) of a matrix to fp32 or bf16 (prefill multiplies them in torch; an
  *   embedding takes its tokens' rows), each weight scale * u + offset rounded once (fma; then to bf16).
- * gguf_prompt_linear: gguf_linear's products for a prompt's many rows (every format but Q8_0 and F16), 8 weight
- *   rows laid out side by side at a time (a model in fp32: GEMMs of dequantized rows are slower there).
+ * gguf_prompt_linear: gguf_linear's products for a prompt's many rows (the quantized formats; Q8_0 with VNNI
+ *   only: gguf_prompt_takes), 8 weight rows laid out side by side at a time (a model in fp32: GEMMs of dequantized
+ *   rows are slower there).
  */
 #include <limits.h>
 #include <pthread.h>
@@ -1203,7 +1204,7 @@ int gguf_dequantize(int type, const uint8_t *w, int64_t row_bytes, int64_t row_b
 
 /* ------------------------------------------------------------------------------------------------ prompts */
 
-/* Many rows (a prompt's) against a matrix of a format with levels of at most 6 bits (all but Q8_0). In fp32 the
+/* Many rows (a prompt's) against a matrix of a quantized format (prompt_type's). In fp32 the
  * dequantized slices' GEMM runs at the core's fp32 peak, which is below int8 products' (llama.cpp's prompts). So 8
  * weight rows at a time are laid out as a tile: per block of 32, register j holds weights 4j .. 4j + 3 of each of
  * the 8 rows, and 4 int8 activations broadcast against it give all 8 rows' partial sums in one maddubs (the
@@ -1219,7 +1220,16 @@ typedef struct { /* a block of 32 weights of 8 rows (lanes past the matrix's end
     float scale[2][TILE], offset[2][TILE]; /* row r's weights 16h .. 16h + 15: scale[h][r] * u + offset[h][r] */
 } TileBlock;
 
-static int prompt_type(int type) { return block_bytes(type) && type != Q8_0; }
+/* Q8_0 with VNNI too, its levels q + 128 (Q8_SHIFT) in dpbusd's 32-bit sums. Without VNNI its signed levels would
+ * overflow maddubs' 16-bit pairs, and the ways around that (a sign operation and a widening for each product pair,
+ * or 16-bit levels through madd: 76-79 G products a second, one thread) are slower than the fp32 GEMM. */
+static int prompt_type(int type) {
+#ifdef VNNI
+    return block_bytes(type) != 0;
+#else
+    return block_bytes(type) && type != Q8_0;
+#endif
+}
 static int per_16(int type) { return type == Q2_K || type == Q3_K || type == Q6_K; }
 
 ALWAYS_INLINE void store_bytes(uint8_t *p, Bytes v) {
@@ -1366,6 +1376,9 @@ static int prompt_share(const void *args, int64_t n_begin, int64_t n_end) {
     for (int64_t n = n_begin; n < n_end; n += TILE) {
         const int count = n_end - n < TILE ? (int)(n_end - n) : TILE;
         switch (type) { /* the type a constant in each copy */
+#ifdef VNNI
+            case Q8_0: tile_rows(Q8_0, p->w, row_bytes, n, count, K, tiles); break;
+#endif
             case Q4_0: tile_rows(Q4_0, p->w, row_bytes, n, count, K, tiles); break;
             case Q4_1: tile_rows(Q4_1, p->w, row_bytes, n, count, K, tiles); break;
             case Q5_0: tile_rows(Q5_0, p->w, row_bytes, n, count, K, tiles); break;
@@ -1402,6 +1415,9 @@ static int prompt_share(const void *args, int64_t n_begin, int64_t n_end) {
     free(tiles);
     return 0;
 }
+
+/* Whether gguf_prompt_linear takes the type in this build. */
+int gguf_prompt_takes(int type) { return prompt_type(type); }
 
 /* y = the activations' int8 blocks (gguf_quantize_rows) times the matrix (N rows at w) for a prompt's rows, in
  * fp32 or bf16 rows y_stride elements apart, output n in column columns[n] (NULL: n). Types: prompt_type's. */
