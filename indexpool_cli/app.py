@@ -582,6 +582,7 @@ def info(
                            "+".join(f"int{b}" for b in sorted({q.bits for q in m.modules() if isinstance(q, DecodeQuantLinear)}))
                            or "same as dtype"),
         "decode_linear": gguf_blocks.path() if block_parts(m) else decode_weights_path(m),
+        "prefill_linear": _prefill_linear(m),
         "decode_attention": decode_attention_path(next(m.parameters()).device, kv_dtype, cfg.head_dim),
         "decode_step": m.decode_step_path(),
         "prefill_attention": prefill_attention_path(next(m.parameters()).device, m.dtype, cfg.head_dim),
@@ -589,6 +590,23 @@ def info(
     facts.update(_indexpool_bytes(loaded))
     facts["cache_bytes"] = {str(n): _llama_cache_bytes(facts, n) for n in lengths}
     _print_facts(facts, run.json_out)
+
+
+def _prefill_linear(model) -> str:
+    """How a prompt's layers multiply: on the file's blocks, int8 products for the formats the prompt kernel takes
+    (fp32), GEMMs for the others (of dequantized slices, or float rows as they lie); else torch's matmuls of the
+    weights in memory."""
+    from indexpool.kernels import gguf_blocks
+    from indexpool.model.gguf_weights import block_parts
+
+    dtype = str(model.dtype).removeprefix("torch.")
+    formats = {part.format: gguf_blocks.int8_prompts(part.qtype, model.dtype)
+               for part in block_parts(model) if part.blocks is not None}
+    if not formats:
+        return f"torch matmuls ({dtype})"
+    ways = [("int8 prompt kernel", [f for f, int8 in formats.items() if int8]),
+            (f"{dtype} GEMMs", [f for f, int8 in formats.items() if not int8])]
+    return "; ".join(f"{way}: {', '.join(sorted(names))}" for way, names in ways if names)
 
 
 def _token_counts(text: str) -> list[int]:
@@ -695,14 +713,20 @@ def _glm5_next_facts(cfg, dtype, lengths: list[int]) -> dict:
 
 
 def _indexpool_bytes(loaded) -> dict:
-    """IndexPool cache bytes per token (all layers) with the default settings and indexer, per storage choice."""
+    """IndexPool cache bytes per token (all layers) with the default settings and indexer, per storage choice. The
+    index pruning is not calibrated here (a dense read: minutes for an 8B model): before the first read of a
+    document the index figures are those of whole keys, and say so."""
     from indexpool.model.indexpool_cache import IndexPoolCache
 
     from indexpool.model.sessions import default_indexer, segment_indexer
 
     options = AttentionChoice().options()
-    indexer, for_segments = default_indexer(options, loaded, calibrating), segment_indexer(options, loaded)
+    indexer = default_indexer(options, loaded, calibrate_now=False)
+    for_segments = segment_indexer(options, loaded)
     parts = {}
+    if options.prune_index is not False and getattr(indexer, "projection", False) is None:
+        parts["indexpool_index_pruning"] = ("not calibrated yet (the first read of a document calibrates it once): "
+                                            "the pooled index figures are of whole keys, pruning makes them smaller")
     for kv_storage, index_dtype in (("bf16", "bf16"), ("int8", "fp8")):
         settings = dataclasses.replace(options.indexpool, kv_storage=kv_storage, index_dtype=index_dtype)
         try:

@@ -88,10 +88,12 @@ def calibrate(model: Transformer, tokens: list[int], share: float = PRUNING_SHAR
     return projection_from_covariance(cache.covariance(), share)
 
 
-def pruning_projection(loaded, share: float = PRUNING_SHARE, calibrating=contextlib.nullcontext) -> torch.Tensor:
+def pruning_projection(loaded, share: float = PRUNING_SHARE, calibrating=contextlib.nullcontext,
+                       calibrate_now: bool = True) -> torch.Tensor | None:
     """The projection for `loaded`'s model (a llama-family LoadedModel), from the prepared-weights cache or
-    calibrated now (a dense read of CALIBRATION_TOKENS tokens: seconds; inside the context manager
-    `calibrating()`, e.g. a spinner) and kept there."""
+    calibrated now (a dense read of CALIBRATION_TOKENS tokens: seconds for the default model, minutes for an 8B
+    one; inside the context manager `calibrating()`, e.g. a spinner) and kept there; None where it is not kept
+    yet and not `calibrate_now`."""
     from .indexer_training import calibration_text
     from .runtime import PREPARED_LIMIT_BYTES
     from indexpool.kernels.native_build import default_cache_dir
@@ -104,6 +106,8 @@ def pruning_projection(loaded, share: float = PRUNING_SHARE, calibrating=context
     saved = store.load(key, warn=lambda message: None)  # a damaged entry is computed again
     if saved is not None and "projection" in saved[1]:
         return saved[1]["projection"].clone()
+    if not calibrate_now:
+        return None
     tokens = loaded.tokenizer.encode(calibration_text())[:CALIBRATION_TOKENS]
     with calibrating():
         projection, _ = calibrate(loaded.model, tokens, share)

@@ -40,10 +40,11 @@ class SessionOptions:
 
 
 def default_indexer(options: SessionOptions, loaded,
-                    calibrating: Callable[[], ContextManager] = contextlib.nullcontext):
+                    calibrating: Callable[[], ContextManager] = contextlib.nullcontext, calibrate_now: bool = True):
     """The indexer choosing what a query attends to (for the hybrid indexer: what the short forwards, a question
     and the generated tokens, attend to; `segment_indexer` chooses for the document's segments). `calibrating()`
-    wraps the one-time calibration of the index pruning (a progress display)."""
+    wraps the one-time calibration of the index pruning (a progress display); without `calibrate_now` an indexer
+    whose pruning is not calibrated yet keeps whole keys (`indexpool info`: it reads no document)."""
     from .indexers import TrainingFreeIndexer
 
     kind = options.indexer
@@ -52,7 +53,7 @@ def default_indexer(options: SessionOptions, loaded,
         if options.prune_index is not False:  # on unless turned off: recall as whole keys, decode at 128K 17% faster
             from .index_pruning import pruning_projection
 
-            projection = pruning_projection(loaded, calibrating=calibrating)
+            projection = pruning_projection(loaded, calibrating=calibrating, calibrate_now=calibrate_now)
         return TrainingFreeIndexer(loaded.config, options.indexpool.kpool, loaded.model.device,
                                    projection, options.indexpool.far_distances())
     if options.prune_index:

@@ -227,6 +227,22 @@ def test_info_json(default_gguf_metadata):
     assert facts["parameters"] == sum(math.prod(int(d) for d in t.shape) for t in tensors.values())
 
 
+def test_info_does_not_calibrate_the_index_pruning(monkeypatch):
+    """`info` of a model whose index pruning is not calibrated yet (a dense read: minutes for an 8B model) gives the
+    whole keys' index figures and says so, without calibrating; it names how prompts multiply."""
+    from indexpool.model import index_pruning, tensor_cache
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("info calibrated the index pruning")
+
+    monkeypatch.setattr(tensor_cache.TensorCache, "load", lambda self, key, warn=None: None)  # nothing kept yet
+    monkeypatch.setattr(index_pruning, "calibrate", refuse)
+    facts = json.loads(ok(indexpool("info", "--json")))
+    assert facts["indexpool_index_pruning"].startswith("not calibrated yet")
+    assert facts["indexpool_pooled_index_bf16_bytes_per_token"] > 0
+    assert facts["prefill_linear"]
+
+
 # ------------------------------------------------------------------------------------------ errors
 
 def test_missing_model_file():
