@@ -636,7 +636,9 @@ def _print_facts(facts: dict, json_out: bool) -> None:
             for note in value:
                 print(f"{'note':<{width}}  {note}")
         else:
-            shown = f"{value:,}" if isinstance(value, int) and key not in ("threads",) else value
+            # numbers with thousands separators (a pooled index's bytes per token are fractions of a pool's)
+            shown = f"{value:,}" if isinstance(value, int) and key != "threads" else \
+                f"{value:,.10g}" if isinstance(value, float) else value
             print(f"{key.replace('_', ' '):<{width}}  {shown}")
 
 
