@@ -1113,6 +1113,27 @@ ALWAYS_INLINE void store_levels(Bytes u, const float *scale, const float *offset
     }
 }
 
+/* A K-quant super-block's scale and offset for each of its 16 groups of 16 weights: w = scale * u + offset. */
+ALWAYS_INLINE void super_block_scales(int type, const uint8_t *block, float *scale, float *offset) {
+    if (type == Q4_K || type == Q5_K) { /* d * sc_j, dmin * m_j per sub-block of 32, each to its two 16s */
+        float g[16];
+        store16(g, k_scales32(block));
+        for (int i = 0; i < 16; i++) scale[i] = g[i / 2], offset[i] = -g[8 + i / 2];
+    } else {
+        const GroupScales g = k_scales(type, block);
+        store16(scale, g.scale);
+        store16(offset, g.offset);
+    }
+}
+
+/* Blocks a and b of a 32-weight format: the scale and offset of each 16 weights (a's twice, then b's twice). */
+ALWAYS_INLINE void pair_group_scales(int type, const uint8_t *a, const uint8_t *b, float *scale, float *offset) {
+    __m128 s, o;
+    pair_scales(type, a, b, &s, &o);
+    _mm_storeu_ps(scale, _mm_unpacklo_ps(s, s));
+    _mm_storeu_ps(offset, _mm_unpacklo_ps(o, o));
+}
+
 ALWAYS_INLINE void dequantize_rows(const int type, const uint8_t *w, int64_t row_bytes, int64_t row_begin,
                                    int64_t row_end, int64_t K, void *out, int64_t out_stride, const int bf16) {
     const int bytes = block_bytes(type), size = bf16 ? 2 : 4;
@@ -1123,15 +1144,7 @@ ALWAYS_INLINE void dequantize_rows(const int type, const uint8_t *w, int64_t row
             for (int64_t k = 0; k < K / SUPER; k++) {
                 const uint8_t *block = row + k * bytes;
                 float scale[16], offset[16];
-                if (type == Q4_K || type == Q5_K) { /* d * sc_j, dmin * m_j -> per group of 16 */
-                    float g[16];
-                    store16(g, k_scales32(block));
-                    for (int i = 0; i < 16; i++) scale[i] = g[i / 2], offset[i] = -g[8 + i / 2];
-                } else {
-                    const GroupScales g = k_scales(type, block);
-                    store16(scale, g.scale);
-                    store16(offset, g.offset);
-                }
+                super_block_scales(type, block, scale, offset);
 #pragma GCC unroll 4
                 for (int p = 0; p < 4; p++)
                     store_levels(k_levels(type, block, p), scale + 4 * p, offset + 4 * p,
@@ -1141,17 +1154,13 @@ ALWAYS_INLINE void dequantize_rows(const int type, const uint8_t *w, int64_t row
             const int64_t blocks = K / BLOCK;
             for (int64_t b = 0; b < blocks; b += 2) {
                 const uint8_t *first = row + b * bytes, *second = b + 1 < blocks ? first + bytes : first;
-                __m128 scale2, offset2;
-                pair_scales(type, first, second, &scale2, &offset2);
-                float s2[4], o2[4];
-                _mm_storeu_ps(s2, scale2);
-                _mm_storeu_ps(o2, offset2);
+                float scale[4], offset[4];
+                pair_group_scales(type, first, second, scale, offset);
                 Bytes u = pair_levels(type, first, second);
                 if (type == Q8_0 && !Q8_SHIFT) { /* signed levels: shifted here, to widen them as the others */
                     u = xor_bytes(u, 0x80);
-                    o2[0] = -128.0f * s2[0], o2[1] = -128.0f * s2[1];
+                    for (int i = 0; i < 4; i++) offset[i] = -128.0f * scale[i];
                 }
-                const float scale[4] = {s2[0], s2[0], s2[1], s2[1]}, offset[4] = {o2[0], o2[0], o2[1], o2[1]};
                 if (b + 1 < blocks) {
                     store_levels(u, scale, offset, o + b * BLOCK * size, bf16);
                 } else { /* a row's odd last block */
@@ -1258,16 +1267,8 @@ ALWAYS_INLINE void tile_rows(const int type, const uint8_t *w, int64_t row_bytes
         if (is_k_quant(type)) {
             for (int64_t k = 0; k < K / SUPER; k++) {
                 const uint8_t *block = row + k * block_bytes(type);
-                float scale[16], offset[16]; /* per 16 weights */
-                if (per_16(type)) {
-                    const GroupScales g = k_scales(type, block);
-                    store16(scale, g.scale);
-                    store16(offset, g.offset);
-                } else { /* d * sc_j, then dmin * m_j: w = d * sc_j * u - dmin * m_j */
-                    float g[16];
-                    store16(g, k_scales32(block));
-                    for (int i = 0; i < 16; i++) scale[i] = g[i / 2], offset[i] = -g[8 + i / 2];
-                }
+                float scale[16], offset[16];
+                super_block_scales(type, block, scale, offset);
 #pragma GCC unroll 4
                 for (int p = 0; p < 4; p++) {
                     store_bytes(levels, k_levels(type, block, p));
@@ -1280,12 +1281,8 @@ ALWAYS_INLINE void tile_rows(const int type, const uint8_t *w, int64_t row_bytes
         for (int64_t b = 0; b < blocks; b += 2) {
             const uint8_t *first = row + b * block_bytes(type), *second = b + 1 < blocks ? first + block_bytes(type)
                                                                                            : first;
-            __m128 scale2, offset2;
-            pair_scales(type, first, second, &scale2, &offset2);
-            float s[4], o[4];
-            _mm_storeu_ps(s, scale2);
-            _mm_storeu_ps(o, offset2);
-            const float scale[4] = {s[0], s[0], s[1], s[1]}, offset[4] = {o[0], o[0], o[1], o[1]};
+            float scale[4], offset[4];
+            pair_group_scales(type, first, second, scale, offset);
             store_bytes(levels, pair_levels(type, first, second));
             tile_place(tiles + b, r, levels, scale, offset);
             if (b + 1 < blocks) tile_place(tiles + b + 1, r, levels + 32, scale + 2, offset + 2);

@@ -413,16 +413,15 @@ def prompt_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features
     q, d, s, s16 = activations
     rows, n = q.shape[0], blocks.shape[0]
     out = torch.empty(rows, n) if out is None else out
-    width = n if columns is None else columns.shape[0]
-    if out.dtype not in (torch.float32, torch.bfloat16) or out.shape[0] != rows or out.stride(1) != 1 \
-            or (columns is None and out.shape[1] != n) or width != n:
-        raise ValueError(f"no fp32 or bf16 rows ({rows}, {n}) for the outputs: {tuple(out.shape)} {out.dtype}")
     if columns is not None:
         columns = columns.to(torch.int64).contiguous()
+    fits = out.shape[1] == n if columns is None else \
+        columns.shape == (n,) and (n == 0 or 0 <= columns.min() <= columns.max() < out.shape[1])
+    if out.dtype not in (torch.float32, torch.bfloat16) or out.shape[0] != rows or out.stride(1) != 1 or not fits:
+        raise ValueError(f"no fp32 or bf16 rows ({rows}, {n}) for the outputs: {tuple(out.shape)} {out.dtype}")
     status = (library or native_library()[0]).gguf_prompt_linear(
         qtype, q.data_ptr(), d.data_ptr(), s.data_ptr(), s16.data_ptr(), rows, in_features, blocks.data_ptr(), n,
-        out.data_ptr(),
-        out.stride(0), out.dtype == torch.bfloat16, None if columns is None else columns.data_ptr(),
+        out.data_ptr(), out.stride(0), out.dtype == torch.bfloat16, None if columns is None else columns.data_ptr(),
         _threads(n, in_features))
     if status:
         raise ValueError("the GGUF prompt kernel refused its arguments")
