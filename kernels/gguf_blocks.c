@@ -44,9 +44,8 @@
  * gguf_linear_f16: fp16 weights (the file's F16 tensors) against fp32 activations, widened exactly.
  * gguf_dequantize: rows [row_begin, row_end) of a matrix to fp32 or bf16 (prefill multiplies them in torch; an
  *   embedding takes its tokens' rows), each weight scale * u + offset rounded once (fma; then to bf16).
- * gguf_prompt_linear: gguf_linear's products for a prompt's many rows (the quantized formats; Q8_0 with VNNI
- *   only: gguf_prompt_takes), 8 weight rows laid out side by side at a time (a model in fp32: GEMMs of dequantized
- *   rows are slower there).
+ * gguf_prompt_linear: gguf_linear's products for a prompt's many rows (the quantized formats), 8 weight rows laid
+ *   out side by side at a time (a model in fp32: GEMMs of dequantized rows are slower there).
  */
 #include <limits.h>
 #include <pthread.h>
@@ -1213,7 +1212,7 @@ int gguf_dequantize(int type, const uint8_t *w, int64_t row_bytes, int64_t row_b
 
 /* ------------------------------------------------------------------------------------------------ prompts */
 
-/* Many rows (a prompt's) against a matrix of a quantized format (prompt_type's). In fp32 the
+/* Many rows (a prompt's) against a matrix of a quantized format. In fp32 the
  * dequantized slices' GEMM runs at the core's fp32 peak, which is below int8 products' (llama.cpp's prompts). So 8
  * weight rows at a time are laid out as a tile: per block of 32, register j holds weights 4j .. 4j + 3 of each of
  * the 8 rows, and 4 int8 activations broadcast against it give all 8 rows' partial sums in one maddubs (the
@@ -1229,16 +1228,6 @@ typedef struct { /* a block of 32 weights of 8 rows (lanes past the matrix's end
     float scale[2][TILE], offset[2][TILE]; /* row r's weights 16h .. 16h + 15: scale[h][r] * u + offset[h][r] */
 } TileBlock;
 
-/* Q8_0 with VNNI too, its levels q + 128 (Q8_SHIFT) in dpbusd's 32-bit sums. Without VNNI its signed levels would
- * overflow maddubs' 16-bit pairs, and the ways around that (a sign operation and a widening for each product pair,
- * or 16-bit levels through madd: 76-79 G products a second, one thread) are slower than the fp32 GEMM. */
-static int prompt_type(int type) {
-#ifdef VNNI
-    return block_bytes(type) != 0;
-#else
-    return block_bytes(type) && type != Q8_0;
-#endif
-}
 static int per_16(int type) { return type == Q2_K || type == Q3_K || type == Q6_K; }
 
 ALWAYS_INLINE void store_bytes(uint8_t *p, Bytes v) {
@@ -1290,25 +1279,32 @@ ALWAYS_INLINE void tile_rows(const int type, const uint8_t *w, int64_t row_bytes
     }
 }
 
-/* sum + u * q over 4-byte groups (int32 lanes), or as int16 pairs where the CPU has no VNNI (the caller widens). */
-ALWAYS_INLINE __m256i tile_dot(__m256i sum, __m256i u, const int8_t *q) {
+/* sum + u * q over 4-byte groups (int32 lanes), or as int16 pairs where the CPU has no VNNI (the caller widens).
+ * Q8_0's levels: with VNNI q + 128 (Q8_SHIFT) in dpbusd's 32-bit sums; without, signed (`signed8`), as maddubs'
+ * 16-bit pairs would overflow on q + 128: u = |w|, sign = w, and q takes w's sign (128 * 127 * 2 fits 16 bits,
+ * twice that not: the caller widens at every step). Kept to AVX2, one thread, 512 rows: 106-110 G products a
+ * second, 1.15x the fp32 GEMM (16-bit levels through madd ran 0.83x). */
+ALWAYS_INLINE __m256i tile_dot(__m256i sum, __m256i u, __m256i sign, const int signed8, const int8_t *q) {
     int32_t four;
     memcpy(&four, q, 4);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    (void)sign, (void)signed8;
     return _mm256_dpbusd_epi32(sum, u, _mm256_set1_epi32(four));
 #elif defined(__AVXVNNI__)
+    (void)sign, (void)signed8;
     return _mm256_dpbusd_avx_epi32(sum, u, _mm256_set1_epi32(four));
 #else
-    return _mm256_add_epi16(sum, _mm256_maddubs_epi16(u, _mm256_set1_epi32(four)));
+    const __m256i qs = signed8 ? _mm256_sign_epi8(_mm256_set1_epi32(four), sign) : _mm256_set1_epi32(four);
+    return _mm256_add_epi16(sum, _mm256_maddubs_epi16(u, qs));
 #endif
 }
 
 /* Activation rows 0 .. X - 1 of `a` against a tile: acc[x] lane r = output of weight row r. `step` j's int16 sums
  * are widened at a time without VNNI: 4 (4 * 2 * 31 * 127 fits; a whole block's fit 4-bit levels only, and ran 10%
- * slower: one longer chain of additions), or 2 for 6-bit levels (2 * 2 * 63 * 127). Each 16's sums are scaled on
- * their own where `per16`. */
+ * slower: one longer chain of additions), 2 for 6-bit levels (2 * 2 * 63 * 127), 1 for Q8_0's (`signed8`: its
+ * signed levels, tile_dot). Each 16's sums are scaled on their own where `per16`. */
 ALWAYS_INLINE void tile_product(const TileBlock *tiles, const Activations a, const int X, const int per16,
-                                const int step, __m256 *acc) {
+                                const int step, const int signed8, __m256 *acc) {
     const int64_t K = a.K, blocks = K / BLOCK;
 #pragma GCC unroll 4
     for (int x = 0; x < X; x++) acc[x] = _mm256_setzero_ps();
@@ -1326,9 +1322,11 @@ ALWAYS_INLINE void tile_product(const TileBlock *tiles, const Activations a, con
                 for (int x = 0; x < X; x++) part[x] = _mm256_setzero_si256();
 #pragma GCC unroll 4
                 for (int j = j0; j < j0 + step; j++) {
-                    const __m256i u = _mm256_loadu_si256((const __m256i *)t->u[j]);
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)t->u[j]);
+                    const __m256i u = signed8 ? _mm256_sign_epi8(w, w) : w;
 #pragma GCC unroll 4
-                    for (int x = 0; x < X; x++) part[x] = tile_dot(part[x], u, a.q + x * K + b * BLOCK + 4 * j);
+                    for (int x = 0; x < X; x++)
+                        part[x] = tile_dot(part[x], u, w, signed8, a.q + x * K + b * BLOCK + 4 * j);
                 }
 #pragma GCC unroll 4
                 for (int x = 0; x < X; x++)
@@ -1373,9 +1371,7 @@ static int prompt_share(const void *args, int64_t n_begin, int64_t n_end) {
     for (int64_t n = n_begin; n < n_end; n += TILE) {
         const int count = n_end - n < TILE ? (int)(n_end - n) : TILE;
         switch (type) { /* the type a constant in each copy */
-#ifdef VNNI
             case Q8_0: tile_rows(Q8_0, p->w, row_bytes, n, count, K, tiles); break;
-#endif
             case Q4_0: tile_rows(Q4_0, p->w, row_bytes, n, count, K, tiles); break;
             case Q4_1: tile_rows(Q4_1, p->w, row_bytes, n, count, K, tiles); break;
             case Q5_0: tile_rows(Q5_0, p->w, row_bytes, n, count, K, tiles); break;
@@ -1391,8 +1387,9 @@ static int prompt_share(const void *args, int64_t n_begin, int64_t n_end) {
                                    p->a.s16 + x * 2 * blocks, K};
             const int take = p->rows - x < TILE_X ? (int)(p->rows - x) : TILE_X;
             __m256 acc[TILE_X];
-#define PRODUCT(X) (type == Q6_K ? tile_product(tiles, a, X, 1, 2, acc)                                          \
-                    : per_16(type) ? tile_product(tiles, a, X, 1, 4, acc) : tile_product(tiles, a, X, 0, 4, acc))
+#define PRODUCT(X) (type == Q6_K ? tile_product(tiles, a, X, 1, 2, 0, acc)                                       \
+                    : type == Q8_0 && !Q8_SHIFT ? tile_product(tiles, a, X, 0, 1, 1, acc)                         \
+                    : per_16(type) ? tile_product(tiles, a, X, 1, 4, 0, acc) : tile_product(tiles, a, X, 0, 4, 0, acc))
             if (take == 4) PRODUCT(4);
             else if (take == 3) PRODUCT(3);
             else if (take == 2) PRODUCT(2);
@@ -1413,15 +1410,12 @@ static int prompt_share(const void *args, int64_t n_begin, int64_t n_end) {
     return 0;
 }
 
-/* Whether gguf_prompt_linear takes the type in this build. */
-int gguf_prompt_takes(int type) { return prompt_type(type); }
-
 /* y = the activations' int8 blocks (gguf_quantize_rows) times the matrix (N rows at w) for a prompt's rows, in
- * fp32 or bf16 rows y_stride elements apart, output n in column columns[n] (NULL: n). Types: prompt_type's. */
+ * fp32 or bf16 rows y_stride elements apart, output n in column columns[n] (NULL: n). Types: the quantized ones. */
 int gguf_prompt_linear(int type, const int8_t *q, const float *d, const float *s, const float *s16, int64_t rows,
                        int64_t K, const uint8_t *w, int64_t N, void *y, int64_t y_stride, int y_bf16,
                        const int64_t *columns, int threads) {
-    if (!prompt_type(type) || K % block_weights(type) || K <= 0) return 1;
+    if (!block_bytes(type) || K % block_weights(type) || K <= 0) return 1;
     const Prompt p = {.type = type, .a = {q, d, s, s16, K}, .rows = rows, .w = w,
                       .out = {y, y_stride, y_bf16 != 0, columns}};
     return run_shares(prompt_share, &p, 0, N, threads);

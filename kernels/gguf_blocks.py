@@ -12,8 +12,8 @@ computes on them:
     types take the activations unrounded;
   - many rows (prefill): `matmul_dequantized` multiplies slices of the matrix's rows dequantized to the activations'
     fp32 or bf16 in a buffer kept per thread (the float types: the rows themselves where the activations have their
-    dtype); except fp32 rows against a quantized format (`int8_prompts`; Q8_0 with VNNI only): `prompt_linear`
-    takes a decode step's int8 products there, 8 weight rows at a time, at 1.4-2.4x the fp32 GEMM's rate.
+    dtype); except fp32 rows against a quantized format (`int8_prompts`): `prompt_linear`
+    takes a decode step's int8 products there, 8 weight rows at a time, at 1.15-2.4x the fp32 GEMM's rate.
 The C calls split their output rows over torch's thread count, in threads of their own (gguf_blocks.c says why).
 
 `*_reference` are the same computations in plain torch (the kernels' tests compare them on awkward shapes, and
@@ -53,9 +53,8 @@ DEQUANTIZE_SIGNATURE = "ipqqqq" + "pqii"
 PROMPT_SIGNATURE = "ippppqq" + "pq" + "pqipi"
 SIGNATURES = {"gguf_quantize_rows": QUANTIZE_SIGNATURE, "gguf_linear": LINEAR_SIGNATURE,
               "gguf_linear_x": LINEAR_X_SIGNATURE, "gguf_linear_f16": F16_SIGNATURE,
-              "gguf_dequantize": DEQUANTIZE_SIGNATURE, "gguf_prompt_linear": PROMPT_SIGNATURE,
-              "gguf_prompt_takes": "i"}
-# the formats `prompt_linear` takes (Q8_0 where the kernels have VNNI: `prompt_takes`)
+              "gguf_dequantize": DEQUANTIZE_SIGNATURE, "gguf_prompt_linear": PROMPT_SIGNATURE}
+# the formats `prompt_linear` takes: every quantized one
 PROMPT_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)
 TILE_ROWS = 8  # weight rows the prompt kernel takes at a time
 
@@ -388,15 +387,9 @@ def linear(x: torch.Tensor, blocks: torch.Tensor | list[torch.Tensor] | Matrices
 
 def int8_prompts(qtype: int, dtype: torch.dtype) -> bool:
     """Whether a prompt's rows of `dtype` against a `qtype` matrix go to `prompt_linear` (int8 products) rather than
-    to `matmul_dequantized`: fp32 rows (1.4-1.9x the fp32 GEMM's rate with AVX2 code, 2.2-2.4x with VNNI; bf16 GEMMs
+    to `matmul_dequantized`: fp32 rows (1.4-1.9x the fp32 GEMM's rate with AVX2 code, Q8_0 1.15x; 2.2-2.4x with VNNI; bf16 GEMMs
     keep pace with it, and AMX's pass it) and a format it takes."""
-    return dtype == torch.float32 and kernel_runs() and prompt_takes(qtype)
-
-
-def prompt_takes(qtype: int, library: ctypes.CDLL | None = None) -> bool:
-    """Whether `prompt_linear` takes the format with these kernels (Q8_0 only with VNNI: below that its products
-    are slower than the fp32 GEMM)."""
-    return qtype in PROMPT_TYPES and bool((library or native_library()[0]).gguf_prompt_takes(qtype))
+    return dtype == torch.float32 and qtype in PROMPT_TYPES and kernel_runs()
 
 
 def prompt_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: int,
@@ -407,7 +400,7 @@ def prompt_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features
     format -> (R, N) fp32, or written into `out`: (R, N) fp32 or bf16, or with `columns` (N,) the wider output
     whose column columns[j] takes output j."""
     _check(blocks, qtype, in_features)
-    if not prompt_takes(qtype, library):
+    if qtype not in PROMPT_TYPES:
         raise ValueError(f"no prompt kernel for {TYPES[qtype][0]} here")
     activations = activations or quantize_activations(x.float().contiguous(), library)
     q, d, s, s16 = activations

@@ -157,7 +157,7 @@ def test_the_other_builds_of_the_kernels_match_the_reference(flags):
             assert_linear_matches(name, 67, width(name, 352), 3, library)
             if name in LEVEL_BYTES:
                 largest_sums(name, width(name, 64), library)
-            if gguf_blocks.prompt_takes(TYPES[name], library):  # the prompt kernel's maddubs sums, 4 rows, a tail
+            if TYPES[name] in gguf_blocks.PROMPT_TYPES:  # the prompt kernel's maddubs sums, 4 rows, a tail
                 assert_linear_matches(name, 67, width(name, 352), 7, library, prompt=True)
                 largest_sums(name, width(name, 64), library, prompt=True)
             k = width(name, 352)
@@ -188,9 +188,7 @@ def mixed_layer(runs: tuple[tuple[int, str], ...]):
 def test_the_prompt_kernel_matches_its_reference(name, n, k, rows):
     """8 weight rows a tile (1, 7, 9, 13 rows: a tile's tail), 4 activation rows a pass (1, 5, 13, 18: a tail),
     an odd number of blocks a row (96, 160); every quantized format (Q6_K's 16-bit sums widened every 2 steps,
-    the others' every 4; Q8_0 where the kernels have VNNI), a scale per 16 or 32 weights."""
-    if not gguf_blocks.prompt_takes(TYPES[name]):
-        pytest.skip(f"the prompt kernel takes {name} with VNNI only (slower than the fp32 GEMM without)")
+    the others' every 4, Q8_0's signed levels every step without VNNI), a scale per 16 or 32 weights."""
     assert_linear_matches(name, n, width(name, k), rows, prompt=True)
 
 
@@ -200,11 +198,11 @@ LEVEL_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24
 
 
 def largest_sums(name: str, k: int, library=None, prompt: bool = False) -> None:
-    """Every level at its largest (all bits set) against activations whose levels are all 127: the integer sums
-    as large as they get, where 16-bit partial sums added too far would wrap."""
+    """Every level at its largest (all bits set; Q8_0's -128) against activations whose levels are all 127: the
+    integer sums as large as they get, where 16-bit partial sums added too far would wrap."""
     blocks = blocks_of(weight(9, k, seed=3), name).reshape(9, -1, GGML_QUANT_SIZES[GGMLQuantizationType[name]][1])
     first, end = LEVEL_BYTES[name]
-    blocks[..., first:end] = 255 if name != "Q8_0" else 127
+    blocks[..., first:end] = 255 if name != "Q8_0" else 128  # the byte of int8 -128
     blocks = blocks.reshape(9, -1)
     x = torch.ones(5, k)
     want = gguf_blocks.linear_reference(x, blocks, TYPES[name]).double()
@@ -218,8 +216,7 @@ def largest_sums(name: str, k: int, library=None, prompt: bool = False) -> None:
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_the_largest_integer_sums_do_not_wrap(name):
     largest_sums(name, width(name, 64))
-    if gguf_blocks.prompt_takes(TYPES[name]):
-        largest_sums(name, width(name, 64), prompt=True)
+    largest_sums(name, width(name, 64), prompt=True)
 
 
 @needs_kernel
