@@ -12,8 +12,8 @@ computes on them:
     types take the activations unrounded;
   - many rows (prefill): `matmul_dequantized` multiplies slices of the matrix's rows dequantized to the activations'
     fp32 or bf16 in a buffer kept per thread (the float types: the rows themselves where the activations have their
-    dtype); except fp32 rows against a quantized format (`int8_prompts`): `prompt_linear`
-    takes a decode step's int8 products there, 8 weight rows at a time, at 1.15-2.4x the fp32 GEMM's rate.
+    dtype); except fp32 rows against a quantized format (`int8_prompts`): `prompt_linear` takes a decode step's
+    int8 products there, 8 weight rows at a time, at 1.15-2.4x the fp32 GEMM's rate.
 The C calls split their output rows over torch's thread count, in threads of their own (gguf_blocks.c says why).
 
 `*_reference` are the same computations in plain torch (the kernels' tests compare them on awkward shapes, and
@@ -387,8 +387,8 @@ def linear(x: torch.Tensor, blocks: torch.Tensor | list[torch.Tensor] | Matrices
 
 def int8_prompts(qtype: int, dtype: torch.dtype) -> bool:
     """Whether a prompt's rows of `dtype` against a `qtype` matrix go to `prompt_linear` (int8 products) rather than
-    to `matmul_dequantized`: fp32 rows (1.4-1.9x the fp32 GEMM's rate with AVX2 code, Q8_0 1.15x; 2.2-2.4x with VNNI; bf16 GEMMs
-    keep pace with it, and AMX's pass it) and a format it takes."""
+    to `matmul_dequantized`: fp32 rows (1.4-1.9x the fp32 GEMM's rate with AVX2 code, Q8_0 1.15x; 2.2-2.4x with
+    VNNI; bf16 GEMMs keep pace with it, and AMX's pass it) and a quantized format."""
     return dtype == torch.float32 and qtype in PROMPT_TYPES and kernel_runs()
 
 
@@ -401,7 +401,7 @@ def prompt_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features
     whose column columns[j] takes output j."""
     _check(blocks, qtype, in_features)
     if qtype not in PROMPT_TYPES:
-        raise ValueError(f"no prompt kernel for {TYPES[qtype][0]} here")
+        raise ValueError(f"no prompt kernel for {TYPES[qtype][0]}: it takes the quantized formats")
     activations = activations or quantize_activations(x.float().contiguous(), library)
     q, d, s, s16 = activations
     rows, n = q.shape[0], blocks.shape[0]
