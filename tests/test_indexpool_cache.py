@@ -372,24 +372,26 @@ def test_offloaded_history_equals_in_memory(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the mapped file is unlinked at once: nothing left behind
 
 
+def read_in_turn(model, kv_storage, prompts):
+    """One session reads each prompt in turn: each one's logits and the far selections of its forward, and the
+    session's cache."""
+    session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS, kv_storage=kv_storage))
+    selections, logits = [], []
+
+    def record(layer, positions, far):
+        selections[-1].append(far.clone())
+
+    for prompt in prompts:
+        selections.append([])
+        logits.append(session.prefill(prompt, on_select=record))
+    return logits, selections, session.cache
+
+
 def test_int8_history_stays_close():
     model = tiny_model(5)
     prompts = prompts_for(9, [77, 100, 130, 161])  # no generated tokens: a different greedy pick would compound
-
-    def run(kv_storage):
-        """Each prompt's logits and the far selections of its forward."""
-        session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS, kv_storage=kv_storage))
-        selections, logits = [], []
-
-        def record(layer, positions, far):
-            selections[-1].append(far.clone())
-
-        for prompt in prompts:
-            selections.append([])
-            logits.append(session.prefill(prompt, on_select=record))
-        return logits, selections
-
-    (exact, exact_selections), (quantized, quantized_selections) = run("full"), run("int8")
+    (exact, exact_selections, _), (quantized, quantized_selections, _) = (read_in_turn(model, storage, prompts)
+                                                                          for storage in ("full", "int8"))
     same = [all(map(torch.equal, a, b)) for a, b in zip(exact_selections, quantized_selections)]
     # Per-head absmax scales: each far key/value is off by at most 1/254 of its vector's range. Logits of this
     # random model span about +-3; the bound is a thirtieth of that, where both runs attend to the same tokens: a
@@ -414,23 +416,10 @@ def test_an_fp32_models_bf16_history_stays_close(monkeypatch, backend):
     on a Xeon with AMX: at most 0.055, where int8 gave 0.067 on the same prompts; --kv-storage full keeps fp32)."""
     use_kernels(monkeypatch, backend)
     model = tiny_model(5, replace(CONFIG, head_dim=32))  # a head size the C kernel takes
-    prompts = prompts_for(9, [77, 100, 130, 161])
-
-    def run(kv_storage):
-        session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS, kv_storage=kv_storage))
-        selections, logits = [], []
-
-        def record(layer, positions, far):
-            selections[-1].append(far.clone())
-
-        for prompt in prompts:
-            for tokens in (prompt, prompt + [5], prompt + [5, 5]):  # a prompt, then one-token steps
-                selections.append([])
-                logits.append(session.prefill(tokens, on_select=record))
-        return logits, selections, session.cache
-
-    full, full_selections, full_cache = run("full")
-    rounded, rounded_selections, rounded_cache = run("auto")
+    prompts = [tokens for prompt in prompts_for(9, [77, 100, 130, 161])
+               for tokens in (prompt, prompt + [5], prompt + [5, 5])]  # a prompt, then one-token steps
+    full, full_selections, full_cache = read_in_turn(model, "full", prompts)
+    rounded, rounded_selections, rounded_cache = read_in_turn(model, "auto", prompts)
     assert rounded_cache.store.k.dtype == torch.bfloat16 and full_cache.store.k.dtype == torch.float32
     assert rounded_cache.bytes_per_token()["history_kv"] * 2 == full_cache.bytes_per_token()["history_kv"]
     same = [all(map(torch.equal, a, b)) for a, b in zip(full_selections, rounded_selections)]
