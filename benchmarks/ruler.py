@@ -471,7 +471,8 @@ def run(args) -> None:
             for task in args.tasks:
                 details = {name: [] for name, _ in variants}
                 seconds, read = {name: [] for name, _ in variants}, {name: [] for name, _ in variants}
-                for i, sample in enumerate(sorted(samples[task], key=lambda s: s.prompt)):
+                # In the order of their token ids (the docstring), each under its own number.
+                for i, sample in sorted(enumerate(samples[task], args.first_sample), key=lambda p: p[1].prompt):
                     for name, settings in variants:
                         t0 = time.perf_counter()
                         label = f"{task} {length}:{name}"
@@ -480,7 +481,7 @@ def run(args) -> None:
                         seconds[name].append(time.perf_counter() - t0)
                         read[name].append(fed)
                         answer = tokenizer.decode(out)
-                        details[name].append({"answers": sample.answers, "answer": answer,
+                        details[name].append({"sample": i, "answers": sample.answers, "answer": answer,
                                               "score": recall_all(answer, sample.answers)})
                         if args.verbose:
                             print(f"  {task} {length} {name} #{i}: {sample.answers} -> {answer!r} "
