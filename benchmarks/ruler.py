@@ -37,7 +37,8 @@ first read finds the pools it keeps, from the question's tokens only).
 ones on another machine); `--topk` sets IndexPool's far tokens per query, `--query-topk` those of the question's
 and the answer's queries, `--question-pools` and `--question-matches` the question's pools kept for them (its best
 scored, and the places holding its rarest wording); `--json` is rewritten after every
-row.
+row. `--baselines` reads nothing: it scores the cwe and fwe samples with answers no model gives (`word_baselines`:
+the recent window's most frequent words, words drawn at random from the document), what counting or chance scores.
 
 Prints the machine, then one row per (task, length, reader): score, samples, seconds per sample and the tokens a
 sample read (what its prompt did not share with the one before); then each reader's average over the tasks per
@@ -110,6 +111,34 @@ def recall_all(answer: str, expected: list[str]) -> float:
     case-insensitive."""
     text = answer.lower()
     return sum(e.lower() in text for e in expected) / len(expected)
+
+
+WORD_TASKS = ("cwe", "fwe")  # the tasks whose answer is counted, not found: word_baselines scores them
+
+
+def document_words(task: str, text: str, cut: bool = False) -> list[str]:
+    """A cwe list's entries or a fwe text's coded words, in order; with `cut` (text a piece of the document), not the
+    line or word text starts in."""
+    if task == "cwe":  # a cut line is whole or fails the pattern, but for its number's first digits
+        return re.findall(r"^\d+\. (\S+)$", text, re.M)
+    return text.split()[1:] if cut else text.split()
+
+
+def word_baselines(sample: Sample, tokenizer, window: int, draws: int = 200) -> dict[str, float]:
+    """Scores of answers no model gives, for cwe and fwe: `window count`, the asked number of words most frequent in
+    the document's part of the prompt's last `window` tokens (the recent window a reader attends as it answers: what
+    it could name by counting there alone); `random
+    words`, as many words drawn at random from the whole document by occurrence (what copying gives by chance,
+    averaged over `draws` answers); `entries` the share of the document's words that are answers (not a score)."""
+    asked = len(sample.answers)
+    recent = tokenizer.decode(sample.prompt[max(0, len(sample.prompt) - window):sample.document_end])
+    counted = [word for word, _ in Counter(document_words(sample.task, recent, cut=True)).most_common(asked)]
+    words = document_words(sample.task, sample.document)
+    rng = random.Random(sample.document)
+    chance = statistics.mean(recall_all(" ".join(rng.choices(words, k=asked)), sample.answers) for _ in range(draws))
+    answers = set(sample.answers)
+    return {"window count": 100 * recall_all(" ".join(counted), sample.answers), "random words": 100 * chance,
+            "entries": 100 * sum(word in answers for word in words) / len(words)}
 
 
 class Haystack:
@@ -416,6 +445,27 @@ def answer_under(session: Session, sample: Sample, settings: IndexPoolConfig | N
             cache.indexer.read_at(saved.far_distances())
 
 
+def draw(generator: Generator, task: str, length: int, args) -> list[Sample]:
+    """The run's samples of a task and length; a length too short for the task ends the run with a one-line error."""
+    try:
+        return generator.samples(task, length, args.samples, args.seed, args.first_sample)
+    except ValueError as error:
+        raise SystemExit(f"ruler.py: error: {error}: choose a longer --lengths") from None
+
+
+def print_word_baselines(args, generator: Generator, tokenizer, window: int) -> None:
+    print(f"recent window {window} tokens, seed {args.seed}, samples {args.first_sample}.."
+          f"{args.first_sample + args.samples - 1}; scores in %, entries: the answers' share of the document's words")
+    print(f"{'task':<16} {'length':>7} {'window count':>12} {'random words':>12} {'entries':>7} {'samples':>7}")
+    for length in args.lengths:
+        for task in (t for t in args.tasks if t in WORD_TASKS):
+            found = [word_baselines(sample, tokenizer, window)
+                     for sample in draw(generator, task, length, args)]
+            mean = {name: statistics.mean(f[name] for f in found) for name in found[0]}
+            print(f"{task:<16} {length:>7} {mean['window count']:>12.1f} {mean['random words']:>12.1f} "
+                  f"{mean['entries']:>7.1f} {len(found):>7}", flush=True)
+
+
 def run(args) -> None:
     set_threads(args.threads)
     machine = machine_description()
@@ -430,6 +480,9 @@ def run(args) -> None:
     indexer, for_segments = default_indexer(options, loaded), segment_indexer(options, loaded)
     haystack = Haystack(Path(args.haystack).read_text() if args.haystack else None)
     generator = Generator(tokenizer, haystack)
+    if args.baselines:
+        print_word_baselines(args, generator, tokenizer, settings.window)
+        return
     context = loaded.config.context_length
     topk, query_topk = options.indexpool.topk, options.indexpool.short_topk()
     question_pools, question_matches = options.indexpool.question_pools, options.indexpool.question_matches
@@ -453,8 +506,7 @@ def run(args) -> None:
 
     for length in args.lengths:
         t0 = time.perf_counter()
-        samples = {task: generator.samples(task, length, args.samples, args.seed, args.first_sample)
-                   for task in args.tasks}
+        samples = {task: draw(generator, task, length, args) for task in args.tasks}
         if args.verbose:
             print(f"  generated {length}-token samples in {time.perf_counter() - t0:.1f} s", flush=True)
         longest = max(len(s.prompt) + MAX_NEW_TOKENS[s.task] for task in samples.values() for s in task)
@@ -558,9 +610,14 @@ def main() -> None:
                         help="the prose needles hide in, as UTF-8 text (default: Python's documentation, then the "
                              "system's license texts, which differ between machines: save them to a file to draw the "
                              "same samples elsewhere)")
+    parser.add_argument("--baselines", action="store_true",
+                        help="no reader: score cwe and fwe samples with answers no model gives (word_baselines: the "
+                             "recent window's most frequent words, words drawn at random) and print those")
     args = parser.parse_args()
     if args.first_sample < 0 or args.samples < 1:
         parser.error("--first-sample must be >= 0 and --samples >= 1")
+    if args.baselines and not set(args.tasks) & set(WORD_TASKS):
+        parser.error(f"--baselines scores {' and '.join(WORD_TASKS)} only: name one of them in --tasks")
     run(args)
 
 

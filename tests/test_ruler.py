@@ -1,12 +1,14 @@
 """benchmarks/ruler.py's task generator and scoring (no model runs): seeded samples, within 1% of their length in the
 default model's tokenizer, with the answers where each task needs them and distractors that never give them."""
 
+import argparse
 import re
 from collections import Counter
 
 import pytest
 
-from benchmarks.ruler import ADJECTIVES, NOUNS, TASKS, Generator, Haystack, recall_all
+from benchmarks.ruler import (ADJECTIVES, NOUNS, TASKS, Generator, Haystack, document_words, draw, recall_all,
+                              word_baselines)
 
 NEEDLE = re.compile(r"One of the special magic numbers for ([a-z]+-[a-z]+) is: (\d+)\. ")
 ASSIGNMENT = re.compile(r"^VAR ([A-Z]{5}) = (VAR ([A-Z]{5})|\d{5})$", re.M)
@@ -50,6 +52,9 @@ def test_prompts_are_the_chat_template_within_1_percent_of_the_length(generator,
 def test_a_length_too_short_for_the_task_is_refused(generator):
     with pytest.raises(ValueError, match="too short"):
         generator.samples("cwe", 1024, 1, seed=0)  # the common words alone take more
+    run = argparse.Namespace(samples=1, seed=0, first_sample=0)
+    with pytest.raises(SystemExit, match=r"^ruler.py: error: a length of 1024 tokens is too short .*--lengths$"):
+        draw(generator, "cwe", 1024, run)  # the command line's one-line error, not a traceback
 
 
 def test_needles_hide_in_the_natural_prose(generator):
@@ -181,3 +186,25 @@ def test_question_variants_read_the_rest_of_the_prompt_once():
     assert [fed for _, _, fed in answers[1]] == [174 - 128, 174 - 168, 174 - 168]
     with pytest.raises(Exception, match="NAME=NUMBER"):
         question_variants("window=3")
+
+
+def test_document_words_are_the_entries_or_the_coded_words_and_a_cut_start_is_dropped():
+    assert document_words("cwe", "1. apple\n2. pear\n") == ["apple", "pear"]
+    assert document_words("cwe", "ar\n12. apple\n3. pear\n", cut=True) == ["apple", "pear"]
+    assert document_words("fwe", "xyzab qwerty xyzab", cut=True) == ["qwerty", "xyzab"]
+    assert document_words("fwe", "xyzab qwerty xyzab") == ["xyzab", "qwerty", "xyzab"]
+
+
+def test_word_baselines_count_the_recent_window_and_draw_from_the_whole_document(generator, default_tokenizer):
+    early, late = ["apple"] * 60 + ["melon"] * 4, ["grape", "lemon", "peach", "plum"] * 15
+    document = "".join(f"{i}. {word}\n" for i, word in enumerate(early + late, 1))
+    question = "\n\nWhat are the 2 most common words in the list above?"
+    sample = generator._sample("cwe", 4096, "Below is a numbered list of words.\n\n", document, question, "They are:",
+                               ["apple", "melon"])
+    whole = word_baselines(sample, default_tokenizer, window=len(sample.prompt), draws=2000)
+    assert whole["window count"] == 50  # apple (60) is first; melon (4) is not second: every late word has 15
+    recent = word_baselines(sample, default_tokenizer, window=200)  # the last 200 tokens: late words only
+    assert recent["window count"] == 0 and recent["entries"] == whole["entries"] == 100 * 64 / 124
+    # two words drawn by occurrence: each answer named with probability 1 - (1 - p)^2, p = 60 or 4 in 124
+    expected = 100 * ((1 - (1 - 60 / 124) ** 2) + (1 - (1 - 4 / 124) ** 2)) / 2
+    assert abs(whole["random words"] - expected) < 2.0
