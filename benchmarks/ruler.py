@@ -127,9 +127,9 @@ def document_words(task: str, text: str, cut: bool = False) -> list[str]:
 def word_baselines(sample: Sample, tokenizer, window: int, draws: int = 200) -> dict[str, float]:
     """Scores of answers no model gives, for cwe and fwe: `window count`, the asked number of words most frequent in
     the document's part of the prompt's last `window` tokens (the recent window a reader attends as it answers: what
-    it could name by counting there alone); `random
-    words`, as many words drawn at random from the whole document by occurrence (what copying gives by chance,
-    averaged over `draws` answers); `entries` the share of the document's words that are answers (not a score)."""
+    it could name by counting there alone); `random words`, as many words drawn at random from the whole document
+    by occurrence (what copying gives by chance, averaged over `draws` answers); `entries`, the share of the
+    document's words that are answers (not a score)."""
     asked = len(sample.answers)
     recent = tokenizer.decode(sample.prompt[max(0, len(sample.prompt) - window):sample.document_end])
     counted = [word for word, _ in Counter(document_words(sample.task, recent, cut=True)).most_common(asked)]
