@@ -453,14 +453,14 @@ def draw(generator: Generator, task: str, length: int, args) -> list[Sample]:
         raise SystemExit(f"ruler.py: error: {error}: choose a longer --lengths") from None
 
 
-def print_word_baselines(args, generator: Generator, tokenizer, window: int) -> None:
+def print_word_baselines(args, generator: Generator, window: int) -> None:
     print(f"recent window {window} tokens, seed {args.seed}, samples {args.first_sample}.."
           f"{args.first_sample + args.samples - 1}; scores in %, entries: the answers' share of the document's words")
     print(f"{'task':<16} {'length':>7} {'window count':>12} {'random words':>12} {'entries':>7} {'samples':>7}")
     for length in args.lengths:
         for task in (t for t in args.tasks if t in WORD_TASKS):
-            found = [word_baselines(sample, tokenizer, window)
-                     for sample in draw(generator, task, length, args)]
+            samples = draw(generator, task, length, args)
+            found = [word_baselines(sample, generator.tokenizer, window) for sample in samples]
             mean = {name: statistics.mean(f[name] for f in found) for name in found[0]}
             print(f"{task:<16} {length:>7} {mean['window count']:>12.1f} {mean['random words']:>12.1f} "
                   f"{mean['entries']:>7.1f} {len(found):>7}", flush=True)
@@ -473,16 +473,16 @@ def run(args) -> None:
     loaded = load_engine(args.model, dtype=args.dtype)
     tokenizer = loaded.tokenizer
     settings = SessionOptions().indexpool
+    haystack = Haystack(Path(args.haystack).read_text() if args.haystack else None)
+    generator = Generator(tokenizer, haystack)
+    if args.baselines:  # no reader: no indexer to build
+        print_word_baselines(args, generator, settings.window)
+        return
     asked = {name: value for name, value in (("topk", args.topk), ("query_topk", args.query_topk),
                                              ("question_pools", args.question_pools),
                                              ("question_matches", args.question_matches)) if value is not None}
     options = SessionOptions(indexpool=dataclasses.replace(settings, **asked))
     indexer, for_segments = default_indexer(options, loaded), segment_indexer(options, loaded)
-    haystack = Haystack(Path(args.haystack).read_text() if args.haystack else None)
-    generator = Generator(tokenizer, haystack)
-    if args.baselines:
-        print_word_baselines(args, generator, tokenizer, settings.window)
-        return
     context = loaded.config.context_length
     topk, query_topk = options.indexpool.topk, options.indexpool.short_topk()
     question_pools, question_matches = options.indexpool.question_pools, options.indexpool.question_matches
