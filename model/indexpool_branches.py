@@ -8,9 +8,10 @@ branch.
 
 Each branch attends exactly as the base cache would if it held that branch alone: the same window start, the same
 far selection (the indexer scores each branch's query only over the pools before its own window; its question's
-pools, `IndexPoolCache.read_question`, first), the same remapped positions. That holds while a branch has fewer than
-`window - kpool` tokens of its own: its window start then lies inside the document, so every far token it may
-select is a document token, already in the history and the pooled index. `max_branch_tokens` says how many that is.
+pools, `IndexPoolCache.read_question`, first), the same window positions left out (its question's look-alikes), the
+same remapped positions. That holds while a branch has fewer than `window - kpool` tokens of its own: its window
+start then lies inside the document, so every far token it may select is a document token, already in the history
+and the pooled index. `max_branch_tokens` says how many that is.
 
 A branch's question is read by the base cache alone (`Session.generate_branches`: per-query selection as usual),
 then its rotated K/V are copied into the branch's buffer (`take_branch`) and the base cache is truncated back to
@@ -28,8 +29,8 @@ import torch.nn.functional as F
 from indexpool.kernels.cpu_attention import attention_with_lse, merge_attention
 from indexpool.kernels.rope import apply_rope, rope_at
 
-from .indexpool_cache import (AttentionEvidence, IndexPoolCache, far_attention, gathered_key_mass, keep_question_pools,
-                              place_far_tokens)
+from .indexpool_cache import (AttentionEvidence, IndexPoolCache, additive_mask, far_attention, gathered_key_mass,
+                              keep_question_pools, place_far_tokens)
 
 
 def max_branch_tokens(base: IndexPoolCache) -> int:
@@ -64,7 +65,9 @@ class IndexPoolBranches:
         self.lengths = torch.zeros(n_branches, dtype=torch.long)  # tokens of its own each branch holds
         self.live = torch.arange(n_branches)  # the branches the next forward feeds, in row order
         self.evidence: list[AttentionEvidence | None] = [None] * n_branches
-        self.question_pools: list[torch.Tensor | None] = [None] * n_branches  # each question's (IndexPoolCache)
+        # Each question's pools and the positions its window leaves out (IndexPoolCache.read_question).
+        self.question_pools: list[torch.Tensor | None] = [None] * n_branches
+        self.question_hidden: list[torch.Tensor | None] = [None] * n_branches
 
     @property
     def max_length(self) -> int:
@@ -81,7 +84,7 @@ class IndexPoolBranches:
         self.own_k[:, branch, :n] = base.recent_k[:, :, held].transpose(1, 2)
         self.own_v[:, branch, :n] = base.recent_v[:, :, held].transpose(1, 2)
         self.lengths[branch] = n
-        self.question_pools[branch] = base.question_pools
+        self.question_pools[branch], self.question_hidden[branch] = base.question_pools, base.question_hidden
         base.truncate(self.prefix)
 
     def begin(self, start: int, length: int) -> None:
@@ -118,20 +121,23 @@ class IndexPoolBranches:
         self.far_cos, self.far_sin_signed = cos.to(base.dtype), sin_signed.to(base.dtype)
         self.far_rope_fp32 = cos[:, :, 0], sin_signed[:, :, 0]  # (B, N, D) each, for the C decode kernel
         # Additive masks, built once per step for every layer: invalid far slots; document window keys before a
-        # branch's window start; own slots past a branch's current token.
-        self.far_mask = None if bool(self.far_valid.all()) else _additive(~self.far_valid, device)[:, None, None, :]
+        # branch's window start or left out by its question; own slots past a branch's current token.
+        self.far_mask = None if bool(self.far_valid.all()) else additive_mask(~self.far_valid, device)[:, None, None, :]
         self.doc_window_start = int(self.ws.min())
         doc_positions = torch.arange(self.doc_window_start, self.prefix)
-        hidden = doc_positions[None, :] < self.ws[:, None]  # (B, W)
+        self.doc_hidden = doc_positions[None, :] < self.ws[:, None]  # (B, W)
+        for row, branch in enumerate(live.tolist()):
+            if self.question_hidden[branch] is not None:
+                self.doc_hidden[row] |= torch.isin(doc_positions, self.question_hidden[branch].cpu())
         group = self.n_heads // self.n_kv_heads
-        self.doc_mask = None if not bool(hidden.any()) else \
-            _additive(hidden, device).repeat_interleave(group, dim=0)[None, None]  # (1, 1, B * group, W)
-        self.own_mask = _additive(torch.arange(self.capacity)[None, :] > self.own_slots[:, None],
+        self.doc_mask = None if not bool(self.doc_hidden.any()) else \
+            additive_mask(self.doc_hidden, device).repeat_interleave(group, dim=0)[None, None]  # (1, 1, B * group, W)
+        self.own_mask = additive_mask(torch.arange(self.capacity)[None, :] > self.own_slots[:, None],
                                   device)[:, None, None, :]
         # The bookkeeping above stays on the CPU (read as Python ints); what meets the model's tensors, on its device.
         self.taken = torch.where(self.far_valid & self.takes_all[:, None], self.far_slots, 0).to(device)
         self.on_device = {name: getattr(self, name).to(device)
-                          for name in ("takes_all", "far_valid", "ws", "positions")}
+                          for name in ("takes_all", "far_valid", "positions")}
         tracked = [e for e in self.evidence if e is not None]
         if len({e.local_band for e in tracked}) > 1:
             raise ValueError("the branches' evidence must share one local band")
@@ -219,7 +225,7 @@ class IndexPoolBranches:
         the window's keys before the branch's window start or in the local band before its query."""
         B, KV, group, D = q.shape
         scale = D**-0.5
-        device, ws, band_end = far.device, self.on_device["ws"], self.on_device["positions"] - self.local_band
+        device, band_end = far.device, self.on_device["positions"] - self.local_band
         far_mass = torch.zeros(far.shape, device=device) if far_part is None else \
             gathered_key_mass(*far_part, lse) * self.on_device["far_valid"]
         far_mass.masked_fill_(far > band_end[:, None], 0)  # a band reaching past the window
@@ -230,18 +236,10 @@ class IndexPoolBranches:
         doc_logits = (q_rows @ doc_k.transpose(-1, -2)).float().view(KV, B, group, -1).transpose(0, 1) * scale
         doc_mass = (doc_logits - lse[..., None]).exp().sum(dim=(1, 2))  # (B, W)
         doc_positions = torch.arange(self.doc_window_start, limit, device=device)
-        hidden = (doc_positions < ws[:, None]) | (doc_positions > band_end[:, None])
+        hidden = self.doc_hidden[:, : limit - self.doc_window_start].to(device) | (doc_positions > band_end[:, None])
         positions = torch.cat([far, doc_positions.expand(B, -1)], dim=1)
         mass = torch.cat([far_mass, doc_mass.masked_fill_(hidden, 0)], dim=1)
         for row, branch in enumerate(self.live.tolist()):
             if self.evidence[branch] is not None:
                 self.evidence[branch].add(positions[row], mass[row])
 
-
-MASKED = -1e30  # finite: a row with nothing to see (a branch whose window starts at 0 has no far tokens) then
-# gets a log-sum-exp near -1e30 and weight 0 in the merge, where -inf would give NaN
-
-
-def _additive(hidden: torch.Tensor, device) -> torch.Tensor:
-    """An additive fp32 attention mask on `device`: MASKED where hidden, 0 elsewhere."""
-    return torch.zeros(hidden.shape, device=device).masked_fill_(hidden.to(device), MASKED)

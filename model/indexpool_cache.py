@@ -49,13 +49,14 @@ largest of its queries' scores for it, each summed over the scoring layers. Thos
 (`QUESTION_SPAN`), are kept ahead of every other in each per-query selection of the second read and of the answer's
 tokens after it, and so, ahead of them, are the places where the document holds the question's rarest wording
 (`question_matches`, `matching_pools`: pairs of consecutive question tokens met at most MATCH_MAX_COUNT times in the
-document, each weighted by its rarity; a place matching only part of a better place's phrase, a look-alike key, is
-passed over). Matched places, then scored ones, are cut at those forwards' far tokens (query_topk), so a place
-no match finds goes to a scored pool's span, not to 4-token pieces of scattered places (frequent-word answers
-copied garbled words from those); the pools the question scores best after those fill what overlapping spans
-leave, none left to each query's own choice. At 128K the question's scored pools held 2
-of a multi-value needle's 4 values, its rarest pairs all 4; and the queries' own choices, beside kept pools that
-held every needle, took the answers off them, where the needles alone were copied (docs/benchmarks.md).
+document, each weighted by its rarity, the recent window's too; a place matching only part of a better place's
+phrase, a look-alike key, is passed over: not read, and left out of the window these forwards attend). Matched
+places, then scored ones, are cut at those forwards' far tokens (query_topk), so a place no match finds goes to a
+scored pool's span, not to 4-token pieces of scattered places (frequent-word answers copied garbled words from
+those); the pools the question scores best after those fill what overlapping spans leave, none left to each query's
+own choice. At 128K the question's scored pools held 2 of a multi-value needle's 4 values, its rarest pairs all 4;
+and the queries' own choices, beside kept pools that held every needle, took the answers off them, where the
+needles alone were copied (docs/benchmarks.md).
 A question names what it asks for (a needle's key), and the tokens that name it find the key's few occurrences;
 the query that must write the answer matches the needle's form ("the number is:"), not its key, and ranks the
 key's pool far lower (RULER-style niah_single at 32K, the default model, 10 samples: the answer's
@@ -190,12 +191,13 @@ class Matches(NamedTuple):
 
 
 def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, count: int,
-                   repeat_share: float = 0.0) -> Matches:
+                   repeat_share: float = 0.0, uncounted_from: int | None = None) -> Matches:
     """Where `document` (token ids, starting at a pool boundary) holds the question's rarest wording: the pools
-    (indices into document's complete pools, best first, at most `count`, no two within a QUESTION_SPAN of each
-    other) holding pairs of consecutive question tokens, and the look-alikes passed over on the way. Each
-    occurrence of a pair met at most MATCH_MAX_COUNT times in the document adds log(pairs in the document / its
-    count) to its pool; a pool ranks by its own sum, twice, and its two neighbours' (a phrase spans pool
+    (indices into document's complete pools, best first, no two within a QUESTION_SPAN of each other) holding pairs
+    of consecutive question tokens, until `count` of them lie before pool `uncounted_from` (those from there, the
+    recent window's, are read whole anyway: taken without counting), and the look-alikes passed over on the way.
+    Each occurrence of a pair met at most MATCH_MAX_COUNT times in the document (before pool `uncounted_from`)
+    adds log(pairs there / its count) to its pool; a pool ranks by its own sum, twice, and its two neighbours' (a phrase spans pool
     boundaries). A look-alike is passed over: a place whose span holds
     in phrases (runs of the question's pairs, three tokens or more) only pairs that a place taken before holds too,
     weighing (each pair once) less than `repeat_share` of that place's: a distractor sharing part of the asked
@@ -208,9 +210,13 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
     pairs = document[:-1] * TOKEN_PAIR_BASE + document[1:]
     wanted = torch.unique(question[:-1] * TOKEN_PAIR_BASE + question[1:])
     at = torch.isin(pairs, wanted).nonzero().flatten()
-    _, which, counts = torch.unique(pairs[at], return_inverse=True, return_counts=True)
+    distinct, which = torch.unique(pairs[at], return_inverse=True)
+    # Pairs are counted where the places that count lie (a window's few tokens would tip pairs of the far document
+    # over MATCH_MAX_COUNT); a pair met only in the window counts once.
+    before = len(pairs) if uncounted_from is None else max(1, min(len(pairs), uncounted_from * kpool - 1))
+    counts = torch.bincount(which[at < before], minlength=len(distinct)).clamp_min(1)
     rare = counts[which] <= MATCH_MAX_COUNT
-    pair_weights = torch.log(len(pairs) / counts.double())  # of each distinct pair
+    pair_weights = torch.log(before / counts.double())  # of each distinct pair
     # A pair next to another of the question's: part of a phrase of three tokens or more that it holds.
     phrased = torch.isin(at - 1, at) | torch.isin(at + 1, at)
     at, which, phrased = at[rare], which[rare], phrased[rare]
@@ -222,6 +228,7 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
     score[:-1] += own[1:]
     candidates = score.nonzero().flatten()
     chosen: list[int] = []
+    counted = 0
     passed: list[int] = []
     held: list[tuple[set[int], float]] = []  # each chosen place's distinct phrased pairs, and their weight
     weights = pair_weights.tolist()
@@ -238,7 +245,8 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
             continue
         chosen.append(pool)
         held.append((ids, weight))
-        if len(chosen) == count:
+        counted += uncounted_from is None or pool < uncounted_from
+        if counted == count:
             break
     return Matches(*(torch.tensor(pools, dtype=torch.long, device=document.device) for pools in (chosen, passed)))
 
@@ -251,6 +259,15 @@ def keep_question_pools(scores: torch.Tensor, pools: torch.Tensor) -> torch.Tens
     # Above any score (a sum of softmax probabilities over heads and layers), still exact in fp32 for the order.
     scores[..., pools] = 1e6 + torch.arange(len(pools), 0, -1, dtype=scores.dtype, device=scores.device)
     return scores
+
+
+MASKED = -1e30  # finite: a row with nothing to see (a branch whose window starts at 0 has no far tokens) then
+# gets a log-sum-exp near -1e30 and weight 0 in the merge, where -inf would give NaN
+
+
+def additive_mask(hidden: torch.Tensor, device) -> torch.Tensor:
+    """An additive fp32 attention mask on `device`: MASKED where hidden, 0 elsewhere."""
+    return torch.zeros(hidden.shape, device=device).masked_fill_(hidden.to(device), MASKED)
 
 
 def place_far_tokens(slots: torch.Tensor, ws, n_attended, n_sinks, gap: int) -> torch.Tensor:
@@ -415,9 +432,11 @@ class IndexPoolCache:
         self.evidence: AttentionEvidence | None = None
         self.shared_selection = False
         self.on_select: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-        # The last question's pools (`read_question`): absolute pool indices, best first; where the question lies;
-        # the first read's best score per pool so far, and whether one is on.
+        # The last question's pools (`read_question`): absolute pool indices, best first; the positions in its
+        # window it leaves out (look-alikes); where the question lies; the first read's best score per pool so far,
+        # and whether one is on.
         self.question_pools: torch.Tensor | None = None
+        self.question_hidden: torch.Tensor | None = None
         self.question_start = self.question_end = 0
         self.scouted: torch.Tensor | None = None
         self.scouting_question = False
@@ -453,7 +472,7 @@ class IndexPoolCache:
         """Keep the first `length` tokens or fewer (down to a pool boundary); returns how many are kept. The last
         question's pools stay while `length` covers the question (the tokens re-read up to it are the same)."""
         if length < self.question_end:  # the question's tokens are not all kept: its pools go with it
-            self.question_pools = None
+            self.question_pools = self.question_hidden = None
         length = min(length, self.length)
         length -= length % self.settings.kpool
         if length == self.length:
@@ -493,7 +512,7 @@ class IndexPoolCache:
         for index in self.indexes:
             index._n_tokens = [n] * index.n_layers
         self.length = n
-        self.question_pools = None
+        self.question_pools = self.question_hidden = None
 
     def _state_views(self, n: int, recent_start: int) -> dict[str, torch.Tensor]:
         """Views of the state of n tokens, with the recent buffer's slot 0 holding position recent_start."""
@@ -542,7 +561,7 @@ class IndexPoolCache:
             self.recent_start = self.ws
         self.n_sinks, self.n_far, self.far_topk, one_block, self.per_query = self._reading_plan(self.ws, length)
         if length > s.query_tokens and not self.shared_selection:  # more document, or a next message: the last
-            self.question_pools = None  # question and its answer are over
+            self.question_pools = self.question_hidden = None  # question and its answer are over
         self.query_block = length if one_block else min(s.query_block if self.per_query else s.segment_block, length)
         device = self.inv_freq.device
         self.positions = torch.arange(start, self.end, device=device)
@@ -566,6 +585,14 @@ class IndexPoolCache:
         self.pool_offsets = torch.arange(s.kpool, device=device)
         self.selections = {}
         self.layer_scores = None  # per-query forwards: the scores summed over the layers that scored so far
+        # The question's look-alikes in the window (`read_question`): its second read and its answer leave them out.
+        self.window_mask = None
+        if self.question_hidden is not None and not self.scouting_question:
+            window_end = start if length > 1 else self.end
+            hidden = self.question_hidden[(self.question_hidden >= self.ws) & (self.question_hidden < window_end)]
+            if len(hidden):
+                window = torch.arange(self.ws, window_end, device=hidden.device)
+                self.window_mask = additive_mask(torch.isin(window, hidden), device)[None, None, None]
         self.length = self.end
         if self.evidence is not None and length <= s.query_tokens:  # the forwards `attend` takes evidence from
             self.evidence.queries += length
@@ -613,20 +640,27 @@ class IndexPoolCache:
         finally:
             self.scouting_question, self.on_select = False, hook
             self.truncate(start)
-        scores, s, pools = self.scouted, self.settings, None
+        scores, s, pools, hidden = self.scouted, self.settings, None, None
         if scores is not None:  # per pool scored: from the first after the sinks to the window's start
             first = self.n_sinks // s.kpool
             order, n = scores.argsort(descending=True, stable=True), len(scores)
             matched = shunned = order[:0]
             if tokens is not None and s.question_matches:
-                document, question = torch.tensor(tokens[first * s.kpool: self.ws]), torch.tensor(tokens[start:end])
+                # The window's places are matched too, though read whole: a look-alike there is passed over only
+                # when the place it looks like is found, wherever that lies.
+                document, question = torch.tensor(tokens[first * s.kpool: start]), torch.tensor(tokens[start:end])
                 matched, look_alikes = (m.to(order.device) for m in
                                         matching_pools(document, question, s.kpool, s.question_matches,
-                                                       s.match_repeat_share))
-                # A look-alike's span is not read, though the question scores it (the key's look-alike words do):
-                # its value is the answer's likeliest wrong copy.
-                shunned = question_pools(look_alikes, n)
-                shunned = shunned[~torch.isin(shunned, question_pools(matched, n))]
+                                                       s.match_repeat_share, uncounted_from=n))
+                # A look-alike's span is not read, though the question scores it (the key's look-alike words do),
+                # nor, in the recent window, attended: its value is the answer's likeliest wrong copy.
+                n_held = len(document) // s.kpool
+                shunned = question_pools(look_alikes, n_held)
+                shunned = shunned[~torch.isin(shunned, question_pools(matched, n_held))]
+                in_window = shunned >= n
+                offsets = torch.arange(s.kpool, device=order.device)
+                hidden = ((shunned[in_window] + first)[:, None] * s.kpool + offsets).flatten()
+                matched, shunned = matched[matched < n], shunned[~in_window]
                 order = order[~torch.isin(order, shunned)]
             # Matched places first: those beyond a short forward's far tokens are cut, and the places a match does
             # not find (a look-alike passed over, a question naming nothing) go to the scored pools, with their span:
@@ -640,6 +674,7 @@ class IndexPoolCache:
             more = order[~torch.isin(order, pools)][: max(0, budget - len(pools))]
             pools = torch.cat([pools, more]) + first
         self.question_pools, self.question_start, self.question_end = pools, start, end
+        self.question_hidden = hidden if hidden is not None and len(hidden) else None
         self.scouted, evidence, self.evidence = None, self.evidence, None
         try:
             return forward()
@@ -738,7 +773,8 @@ class IndexPoolCache:
         if self.on_select is not None:
             self.on_select(layer, self.positions, far)
         evidence = self.evidence is not None and T <= self.settings.query_tokens
-        if self.backend == "triton" and not evidence:  # evidence needs each part's log-sum-exp: the torch path
+        # Evidence needs each part's log-sum-exp, a window mask the window apart: the torch path.
+        if self.backend == "triton" and not evidence and self.window_mask is None:
             return self._sparse_attention(layer, q_rot, far).view(1, T, H * D)
         n_blocks, block = far.shape[0], self.query_block
         # Each part is (output, log-sum-exp) in row order (KV, T * group): the query rows of each KV head.
@@ -748,7 +784,7 @@ class IndexPoolCache:
         if window_end > self.ws:  # the recent window before this forward, seen whole by every query
             window = slice(self.ws - self.recent_start, window_end - self.recent_start)
             parts.append(attention_with_lse(q_rows, self.recent_k[None, layer, :, window],
-                                            self.recent_v[None, layer, :, window]))
+                                            self.recent_v[None, layer, :, window], mask=self.window_mask))
         if T > 1:
             # The forward's own tokens, causally: per query head (keys repeated over the group) so that the
             # kernel's causal mode skips the hidden half instead of adding a mask to every logit.
@@ -798,6 +834,8 @@ class IndexPoolCache:
             positions = torch.arange(self.ws, limit, device=logits.device)
             query_positions = self.positions.repeat_interleave(self.n_heads // KV)
             local = positions[None, :] > query_positions[:, None] - self.evidence.local_band
+            if self.window_mask is not None:  # look-alikes left out: no attention to them
+                local |= self.window_mask[0, 0, :, : limit - self.ws] < 0
             mass = (logits - lse[..., None]).exp().masked_fill_(local, 0).sum(dim=(0, 1))
             self.evidence.add(positions, mass)
         if far_part is not None:

@@ -65,6 +65,54 @@ def test_branches_attend_as_each_branch_alone(document_length, head_dim, query_t
     assert session.cache.length == document_length  # the document is held as before
 
 
+@pytest.mark.parametrize("head_dim", [8, 32])
+def test_a_branch_leaves_out_its_questions_look_alikes_spans_in_the_window(head_dim):
+    """A branch whose question (6 tokens, read twice) names a phrase the document holds far back and half of it
+    just before its window: its steps attend the window without the half's span, as it would alone, and put no evidence
+    there (the question's first read, which finds the look-alike, sees it); branches whose questions have a
+    look-alike far back only, or none, read the whole window in the same batch."""
+    model = tiny_model(3, replace(CONFIG, head_dim=head_dim))
+    session = Session(model, 256, attention=IndexPoolConfig(**SETTINGS))
+    generator = torch.Generator().manual_seed(4)
+    document = prompts_for(6, [120])[0]
+    questions = [torch.randint(0, CONFIG.vocab_size, (6,), generator=generator).tolist() for _ in range(3)]
+    # The window starts at 96; the look-alike's span (3 pools before it, 4 after; its neighbours', which rank next,
+    # passed over too) leaves out 96-115 of it.
+    document[40:46], document[92:95] = questions[0], questions[0][:3]
+    document[60:66], document[20:23] = questions[1], questions[1][3:]  # a look-alike far back only
+    session.prefill(document, query_tail=False)
+    forced = [torch.randint(0, CONFIG.vocab_size, (4,), generator=generator).tolist() for _ in questions]
+
+    def evidence():
+        return AttentionEvidence(4, 120, local_band=2)
+
+    alone, read_only = [evidence() for _ in questions], [evidence() for _ in questions]
+    expected = [sequential_logits(model, session, document + q, f, e) for q, f, e in zip(questions, forced, alone)]
+    for question, e in zip(questions, read_only):  # the question's reads alone
+        sequential_logits(model, session, document + question, [], e)
+    branches = IndexPoolBranches(session.cache, len(questions), capacity=12)
+    branches.evidence = [evidence() for _ in questions]
+    got = [[] for _ in questions]
+    with torch.inference_mode():
+        for b, question in enumerate(questions):
+            got[b].append(session.prefill(document + question, evidence=branches.evidence[b]))
+            branches.take_branch(b)
+            session.tokens = list(document)
+        for step in range(4):
+            logits = model(torch.tensor([[f[step]] for f in forced]), 0, branches)[:, -1]
+            for b in range(len(questions)):
+                got[b].append(logits[b : b + 1])
+    left_out = [[] if h is None else h.tolist() for h in branches.question_hidden]
+    assert left_out[0] == list(range(96, 116)) and not left_out[1] and not left_out[2]
+    for b in range(len(questions)):
+        torch.testing.assert_close(torch.cat(got[b]), expected[b], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(branches.evidence[b].mass, alone[b].mass, atol=1e-5, rtol=1e-4)
+        hidden = [p - 4 for p in left_out[b]]  # the evidence's positions start at 4
+        torch.testing.assert_close(alone[b].mass[hidden], read_only[b].mass[hidden], atol=1e-7, rtol=0)
+        # the steps' evidence in the rest of the window, where the first read's is
+        assert bool((alone[b].mass[112:] > read_only[b].mass[112:]).all())
+
+
 @pytest.mark.parametrize("head_dim,band", [(8, 6), (32, 6), (32, 30)])
 def test_only_live_branches_are_fed_and_evidence_matches(head_dim, band):
     """A branch that stopped is left out of later steps (the others go on unchanged), and each branch's evidence

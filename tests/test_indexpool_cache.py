@@ -39,30 +39,35 @@ def tiny_model(seed: int = 0, config: LlamaConfig = CONFIG) -> Transformer:
     return model
 
 
-def reference_matching_pools(document, question, kpool, count, repeat_share=0.0):
+def reference_matching_pools(document, question, kpool, count, repeat_share=0.0, uncounted_from=None):
     """`matching_pools`, one pair at a time: each occurrence in the document of a pair of consecutive question
     tokens met at most MATCH_MAX_COUNT times there adds log(pairs / its count) to its pool; pools rank by twice that
     sum plus their neighbours', and are taken best first (ties: the earlier), none within 7 pools of one taken, nor
     one whose span (3 pools before, 4 after) holds in phrases (question pairs next to another) only pairs of a place
-    taken, weighing less than repeat_share of that place's (a look-alike: passed over, and listed)."""
+    taken, weighing less than repeat_share of that place's (a look-alike: passed over, and listed); until `count`
+    are taken before pool uncounted_from (all of them counting when it is None)."""
     pairs = list(zip(document, document[1:]))
-    wanted, counts = set(zip(question, question[1:])), Counter(pairs)
+    # counted in the pairs wholly before pool uncounted_from; one met only after it, once
+    before = len(pairs) if uncounted_from is None else max(1, min(len(pairs), uncounted_from * kpool - 1))
+    wanted, counts = set(zip(question, question[1:])), Counter(pairs[:before])
+    counts = {pair: max(counts[pair], 1) for pair in pairs}
     hits = {i for i, pair in enumerate(pairs) if pair in wanted}
     own = [0.0] * (len(document) // kpool)
     for i in hits:
         if counts[pairs[i]] <= MATCH_MAX_COUNT and i // kpool < len(own):
-            own[i // kpool] += math.log(len(pairs) / counts[pairs[i]])
+            own[i // kpool] += math.log(before / counts[pairs[i]])
     score = [2 * own[p] + (own[p - 1] if p else 0.0) + (own[p + 1] if p + 1 < len(own) else 0.0) for p in range(len(own))]
     chosen, passed, held = [], [], []
+    limit = len(own) if uncounted_from is None else uncounted_from
     for p in sorted(range(len(score)), key=lambda p: -score[p]):
-        if score[p] <= 0 or len(chosen) == count:
+        if score[p] <= 0 or sum(c < limit for c in chosen) == count:
             break
         if any(abs(p - c) <= 7 for c in chosen):
             continue
         span = range(max(p - 3, 0) * kpool, min(p + 5, len(own)) * kpool)
         phrase = {pairs[i] for i in span if i in hits and counts[pairs[i]] <= MATCH_MAX_COUNT and
                   (i - 1 in hits or i + 1 in hits)}
-        weight = sum(math.log(len(pairs) / counts[pair]) for pair in phrase)
+        weight = sum(math.log(before / counts[pair]) for pair in phrase)
         if any(phrase <= other and weight < repeat_share * other_weight for other, other_weight in held):
             passed.append(p)
             continue
@@ -88,7 +93,8 @@ class ReferenceCache:
         self.inv_freq = inverse_frequencies(config)
         self.sources = indexer_source_layers(layer_schedule(settings.schedule, L))
         self.length = 0
-        self.question, self.question_start, self.question_end = None, 0, 0  # the last question's pools, its place
+        # The last question's pools, the window positions it leaves out, its place.
+        self.question, self.hidden, self.question_start, self.question_end = None, set(), 0, 0
         self.scouting_question = False
 
     @property
@@ -97,7 +103,7 @@ class ReferenceCache:
 
     def truncate(self, length):
         if length < self.question_end:  # the question's tokens not all kept
-            self.question = None
+            self.question, self.hidden = None, set()
         self.length = min(length, self.length) // self.s.kpool * self.s.kpool
         return self.length
 
@@ -115,21 +121,26 @@ class ReferenceCache:
         forward()
         end, self.scouting_question = self.length, False
         self.truncate(start)
-        pools = None
+        pools, self.hidden = None, set()
         if self.scouted is not None:  # the question's best pools by any of its queries, each with 3 before, 4 after
             first, P, scores = self.scouted
             s = self.s
+            # Matched up to the question: its window's places too, which do not count (they are read whole).
             matched, look_alikes = ([], []) if tokens is None else \
-                reference_matching_pools(tokens[first * s.kpool: (first + P) * s.kpool], tokens[start:end], s.kpool,
-                                         s.question_matches, s.match_repeat_share)
+                reference_matching_pools(tokens[first * s.kpool: start], tokens[start:end], s.kpool,
+                                         s.question_matches, s.match_repeat_share, uncounted_from=P)
 
-            def spans(places):  # each place with 3 pools before and 4 after, clamped, once each, in order
-                return list(dict.fromkeys(min(max(p + d, 0), P - 1) for p in places for d in range(-3, 5)))
+            def spans(places, n):  # each place with 3 pools before and 4 after, clamped, once each, in order
+                return list(dict.fromkeys(min(max(p + d, 0), n - 1) for p in places for d in range(-3, 5)))
 
-            shunned = set(spans(look_alikes)) - set(spans(matched))  # look-alikes' spans are not read
+            held = (start - first * s.kpool) // s.kpool
+            shunned = set(spans(look_alikes, held)) - set(spans(matched, held))  # look-alikes' spans are not read
+            # nor attended in the window
+            self.hidden = {(p + first) * s.kpool + i for p in shunned if p >= P for i in range(s.kpool)}
+            matched = [p for p in matched if p < P]
             best = [p for p in sorted(range(P), key=lambda p: -scores[p]) if p not in shunned]
             budget = min(s.query_topk, s.topk) // s.kpool  # cut there; filled up with the next best it scores
-            pools = [p for p in spans(matched + best[: s.question_pools]) if p not in shunned][:budget]
+            pools = [p for p in spans(matched + best[: s.question_pools], P) if p not in shunned][:budget]
             pools += [p for p in best if p not in pools][: max(0, budget - len(pools))]
             pools = [p + first for p in pools]
         self.question, self.question_start, self.question_end = pools, start, end
@@ -137,7 +148,7 @@ class ReferenceCache:
 
     def begin(self, start, length):
         if length > self.s.query_tokens:  # a long forward after a question ends it and its answer
-            self.question = None
+            self.question, self.hidden = None, set()
         self.start, self.end, self.length = start, start + length, start + length
         self.selected = {}
         self.summed_scores = None  # a short forward's scores, summed over the layers that scored
@@ -212,7 +223,9 @@ class ReferenceCache:
         out = []
         for t, p in enumerate(range(self.start, self.end)):
             far = selection[t]
-            attended = list(range(n_sinks)) + far + list(range(ws, p + 1))
+            # The window but a question's look-alikes (not in the read that finds them).
+            window = [w for w in range(ws, p + 1) if self.scouting_question or w not in self.hidden]
+            attended = list(range(n_sinks)) + far + window
             if true_positions:
                 placed = attended
             else:
@@ -221,8 +234,7 @@ class ReferenceCache:
                 base = ws - len(far)
                 room = self.c.context_length - (s.sinks + s.topk + s.window + s.segment + s.kpool)
                 gap = max(0, min(s.sink_distance - s.window - s.topk, room))
-                placed = list(range(base - gap - n_sinks, base - gap)) + list(range(base, base + len(far))) \
-                    + list(range(ws, p + 1))
+                placed = list(range(base - gap - n_sinks, base - gap)) + list(range(base, base + len(far))) + window
             cos, sin = rope_at(self.inv_freq, torch.tensor(placed))
             keys = apply_rope(self.k[layer, attended], cos.double(), sin.double())
             cos_q, sin_q = rope_at(self.inv_freq, torch.tensor([p]))
@@ -767,8 +779,9 @@ def test_matching_pools_find_the_questions_rarest_wording():
         document = torch.randint(0, 12, (n,), generator=generator)
         question = torch.randint(0, 12, (9,), generator=generator)
         for share in (0.0, 0.9):
-            assert tuple(t.tolist() for t in matching_pools(document, question, 4, 5, share)) == \
-                reference_matching_pools(document.tolist(), question.tolist(), 4, 5, share)
+            for uncounted in (None, n // 8, 0):
+                assert tuple(t.tolist() for t in matching_pools(document, question, 4, 5, share, uncounted)) == \
+                    reference_matching_pools(document.tolist(), question.tolist(), 4, 5, share, uncounted)
 
 
 def test_matching_pools_pass_over_look_alikes_and_keep_repeats():
@@ -785,6 +798,11 @@ def test_matching_pools_pass_over_look_alikes_and_keep_repeats():
     for share, expected in ((0.0, ([10, 50, 30, 75], [])), (0.9, ([10, 50], [30, 29, 31, 75, 74, 76]))):
         found = tuple(t.tolist() for t in matching_pools(torch.tensor(document), torch.tensor(question), 4, 8, share))
         assert found == expected == reference_matching_pools(document, question, 4, 8, share)
+    # Places from pool uncounted_from on (a recent window) do not count: with none counted, every place is met.
+    assert matching_pools(torch.tensor(document), torch.tensor(question), 4, 1, 0.9).places.tolist() == [10]
+    assert matching_pools(torch.tensor(document), torch.tensor(question), 4, 1, 0.9, 11).places.tolist() == [10]
+    found = matching_pools(torch.tensor(document), torch.tensor(question), 4, 1, 0.9, uncounted_from=1)
+    assert found.places.tolist() == [10, 50] and found.look_alikes.tolist() == [30, 29, 31, 75, 74, 76]
     # the look-alike weighs about half the phrase: kept where less than half passes a place over
     found = matching_pools(torch.tensor(document), torch.tensor(question), 4, 8, 0.4)
     assert found.places.tolist() == [10, 50, 30] and found.look_alikes.tolist() == [75, 74, 76]
@@ -846,6 +864,33 @@ def test_a_look_alikes_place_is_not_read_though_the_question_scores_it():
     n_pools = ws // 4 - first
     shunned = set(question_pools(found.look_alikes, n_pools).tolist())
     assert len(kept) == 50 and set(question_pools(found.places, n_pools).tolist()) <= kept and not kept & shunned
+
+
+def test_a_look_alike_in_the_recent_window_is_not_attended():
+    """The question's wording far back and its first half, then other words, inside the recent window: the window's
+    places are matched too (not counted among the question's matches: they are read whole), so the half is a
+    look-alike there, and the question's second read and its answer's steps attend the window without its span,
+    as the reference does; the read that finds it sees it."""
+    settings = SETTINGS | dict(window=32, query_tokens=12)
+    model = tiny_model(4)
+    prompt = prompts_for(8, [240])[0]
+    question = prompt[228:240]  # the question read twice; its window starts at 196
+    prompt[60:72] = question
+    # Its span (3 pools before it, 4 after; its neighbours', which rank next, passed over too) leaves out 196-219.
+    prompt[196:199] = question[:3]
+    session = Session(model, 256, attention=IndexPoolConfig(**settings, kv_storage="full"))
+    session.prefill(prompt)
+    hidden = session.cache.question_hidden.tolist()
+    assert hidden == list(range(196, 220))
+    torch.testing.assert_close(run_session(model, settings, [prompt]),
+                               run_session(model, settings, [prompt], reference=True), atol=2e-4, rtol=0)
+    # Without look-alikes passed over, nothing is left out, and the answer reads otherwise.
+    alike = replace(session.cache.settings, match_repeat_share=0.0)
+    again = Session(model, 256, attention=alike)
+    again.prefill(prompt)
+    assert again.cache.question_hidden is None
+    assert not torch.allclose(run_session(model, settings | dict(match_repeat_share=0.0), [prompt]),
+                              run_session(model, settings, [prompt]), atol=2e-4, rtol=0)
 
 
 def test_a_question_is_read_twice_and_its_answer_keeps_its_pools():
