@@ -31,6 +31,17 @@ def sequential_logits(model, session, prompt, forced, evidence=None):
     return torch.cat(logits)
 
 
+def take_branches(session, document, prompts, branches):
+    """Read each prompt after the held document (its branch's evidence taken) and move it into its branch; each
+    branch's logits so far, a list of them per branch."""
+    got = []
+    for b, prompt in enumerate(prompts):
+        got.append([session.prefill(document + prompt, evidence=branches.evidence[b])])
+        branches.take_branch(b)
+        session.tokens = list(document)
+    return got
+
+
 @pytest.mark.parametrize("query_topk", [8, 4])
 @pytest.mark.parametrize("head_dim", [8, 32])
 @pytest.mark.parametrize("document_length", [120, 36, 60, 12])
@@ -50,12 +61,8 @@ def test_branches_attend_as_each_branch_alone(document_length, head_dim, query_t
     expected = [sequential_logits(model, session, document + s, f) for s, f in zip(suffixes, forced)]
 
     branches = IndexPoolBranches(session.cache, len(suffixes), capacity=20)
-    got = [[] for _ in suffixes]
     with torch.inference_mode():
-        for b, suffix in enumerate(suffixes):
-            got[b].append(session.prefill(document + suffix))
-            branches.take_branch(b)
-            session.tokens = list(document)
+        got = take_branches(session, document, suffixes, branches)
         for step in range(5):
             logits = model(torch.tensor([[f[step]] for f in forced]), 0, branches)[:, -1]
             for b in range(len(suffixes)):
@@ -92,12 +99,8 @@ def test_a_branch_leaves_out_its_questions_look_alikes_spans_in_the_window(head_
         sequential_logits(model, session, document + question, [], e)
     branches = IndexPoolBranches(session.cache, len(questions), capacity=12)
     branches.evidence = [evidence() for _ in questions]
-    got = [[] for _ in questions]
     with torch.inference_mode():
-        for b, question in enumerate(questions):
-            got[b].append(session.prefill(document + question, evidence=branches.evidence[b]))
-            branches.take_branch(b)
-            session.tokens = list(document)
+        got = take_branches(session, document, questions, branches)
         for step in range(4):
             logits = model(torch.tensor([[f[step]] for f in forced]), 0, branches)[:, -1]
             for b in range(len(questions)):
@@ -135,12 +138,8 @@ def test_only_live_branches_are_fed_and_evidence_matches(head_dim, band):
 
     branches = IndexPoolBranches(session.cache, 3, capacity=10)
     branches.evidence = [evidence() for _ in suffixes]
-    got = [[] for _ in suffixes]
     with torch.inference_mode():
-        for b, s in enumerate(suffixes):
-            got[b].append(session.prefill(document + s, evidence=branches.evidence[b]))
-            branches.take_branch(b)
-            session.tokens = list(document)
+        got = take_branches(session, document, suffixes, branches)
         for step in range(3):
             live = [0, 1, 2] if step == 0 else [0, 2]  # branch 1 stops after its first forced token
             branches.live = torch.tensor(live)
