@@ -50,7 +50,8 @@ largest of its queries' scores for it, each summed over the scoring layers. Thos
 tokens after it, and so, ahead of them, are the places where the document holds the question's rarest wording
 (`question_matches`, `matching_pools`: pairs of consecutive question tokens met at most MATCH_MAX_COUNT times in the
 document, each weighted by its rarity, the recent window's too; a place matching only part of a better place's
-phrase, a look-alike key, is passed over: not read, and left out of the window these forwards attend). Matched
+phrase, a look-alike key, is passed over: not read, and left out of the window these forwards attend; a place
+holding no phrase of the question, only pairs met by chance, is not read either, but the window keeps it). Matched
 places, then scored ones, are cut at those forwards' far tokens (query_topk), so a place no match finds goes to a
 scored pool's span, not to 4-token pieces of scattered places (frequent-word answers copied garbled words from
 those); the pools the question scores best after those fill what overlapping spans leave, none left to each query's
@@ -187,7 +188,8 @@ def question_pools(tops: torch.Tensor, n_pools: int) -> torch.Tensor:
 
 class Matches(NamedTuple):
     places: torch.Tensor  # pools, best first
-    look_alikes: torch.Tensor  # pools passed over, in the order met
+    look_alikes: torch.Tensor  # pools passed over holding part of a taken place's phrases, in the order met
+    strays: torch.Tensor  # pools passed over holding question pairs on their own only (met by chance), likewise
 
 
 def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, count: int,
@@ -195,18 +197,18 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
     """Where `document` (token ids, starting at a pool boundary) holds the question's rarest wording: the pools
     (indices into document's complete pools, best first, no two within a QUESTION_SPAN of each other) holding pairs
     of consecutive question tokens, until `count` of them lie before pool `uncounted_from` (those from there, the
-    recent window's, are read whole anyway: taken without counting), and the look-alikes passed over on the way.
+    recent window's, are read whole anyway: taken without counting), and the places passed over on the way.
     Each occurrence of a pair met at most MATCH_MAX_COUNT times in the document (before pool `uncounted_from`)
-    adds log(pairs there / its count) to its pool; a pool ranks by its own sum, twice, and its two neighbours' (a phrase spans pool
-    boundaries). A look-alike is passed over: a place whose span holds
-    in phrases (runs of the question's pairs, three tokens or more) only pairs that a place taken before holds too,
-    weighing (each pair once) less than `repeat_share` of that place's: a distractor sharing part of the asked
-    key's wording. An exact repeat is kept, and a pair on its own beside a phrase (two words of the question met by
-    chance) tells the two apart no more."""
+    adds log(pairs there / its count) to its pool; a pool ranks by its own sum, twice, and its two neighbours' (a
+    phrase spans pool boundaries). A place is passed over when its span holds in phrases (runs of the question's
+    pairs, three tokens or more) only pairs that a place taken before holds too, weighing (each pair once) less
+    than `repeat_share` of that place's: a look-alike, a distractor sharing part of the asked key's wording; or a
+    stray, holding no phrase at all (its pairs met by chance). An exact repeat is kept, and a pair on its own beside
+    a phrase (two words of the question met by chance) tells the two apart no more."""
     n_pools = len(document) // kpool
     if count <= 0 or n_pools == 0 or len(question) < 2:
         none = torch.empty(0, dtype=torch.long, device=document.device)
-        return Matches(none, none)
+        return Matches(none, none, none)
     pairs = document[:-1] * TOKEN_PAIR_BASE + document[1:]
     wanted = torch.unique(question[:-1] * TOKEN_PAIR_BASE + question[1:])
     at = torch.isin(pairs, wanted).nonzero().flatten()
@@ -229,7 +231,8 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
     candidates = score.nonzero().flatten()
     chosen: list[int] = []
     counted = 0
-    passed: list[int] = []
+    look_alikes: list[int] = []
+    strays: list[int] = []
     held: list[tuple[set[int], float]] = []  # each chosen place's distinct phrased pairs, and their weight
     weights = pair_weights.tolist()
     reach = len(QUESTION_SPAN) - 1  # two chosen pools further apart than this keep spans that do not overlap
@@ -241,14 +244,15 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
         ids = set(which[lo:hi][phrased[lo:hi]].tolist())
         weight = sum(weights[i] for i in ids)
         if any(ids <= other and weight < repeat_share * other_weight for other, other_weight in held):
-            passed.append(pool)
+            (look_alikes if ids else strays).append(pool)
             continue
         chosen.append(pool)
         held.append((ids, weight))
         counted += uncounted_from is None or pool < uncounted_from
         if counted == count:
             break
-    return Matches(*(torch.tensor(pools, dtype=torch.long, device=document.device) for pools in (chosen, passed)))
+    return Matches(*(torch.tensor(pools, dtype=torch.long, device=document.device)
+                     for pools in (chosen, look_alikes, strays)))
 
 
 def keep_question_pools(scores: torch.Tensor, pools: torch.Tensor) -> torch.Tensor:
@@ -649,18 +653,27 @@ class IndexPoolCache:
                 # The window's places are matched too, though read whole: a look-alike there is passed over only
                 # when the place it looks like is found, wherever that lies.
                 document, question = torch.tensor(tokens[first * s.kpool: start]), torch.tensor(tokens[start:end])
-                matched, look_alikes = (m.to(order.device) for m in
-                                        matching_pools(document, question, s.kpool, s.question_matches,
-                                                       s.match_repeat_share, uncounted_from=n))
-                # A look-alike's span is not read, though the question scores it (the key's look-alike words do),
-                # nor, in the recent window, attended: its value is the answer's likeliest wrong copy.
+                matched, look_alikes, strays = (m.to(order.device) for m in
+                                                matching_pools(document, question, s.kpool, s.question_matches,
+                                                               s.match_repeat_share, uncounted_from=n))
                 n_held = len(document) // s.kpool
-                shunned = question_pools(look_alikes, n_held)
-                shunned = shunned[~torch.isin(shunned, question_pools(matched, n_held))]
-                in_window = shunned >= n
+                kept = question_pools(matched, n_held)
+
+                def unread(places: torch.Tensor) -> torch.Tensor:  # their spans, but for those of places taken
+                    spans = question_pools(places, n_held)
+                    return spans[~torch.isin(spans, kept)]
+
+                # A passed-over place's span is not read, though the question scores it (a look-alike's words do).
+                # In the recent window a look-alike's span is not attended either (its value is the answer's
+                # likeliest wrong copy), but a stray's is: the window is what the answer reads on from, and a pair
+                # met by chance there names no wrong answer.
+                shunned = unread(torch.cat([look_alikes, strays]))
+                shunned = shunned[shunned < n]
+                hidden = unread(look_alikes)
+                hidden = hidden[hidden >= n]
                 offsets = torch.arange(s.kpool, device=order.device)
-                hidden = ((shunned[in_window] + first)[:, None] * s.kpool + offsets).flatten()
-                matched, shunned = matched[matched < n], shunned[~in_window]
+                hidden = ((hidden + first)[:, None] * s.kpool + offsets).flatten()
+                matched = matched[matched < n]
                 order = order[~torch.isin(order, shunned)]
             # Matched places first: those beyond a short forward's far tokens are cut, and the places a match does
             # not find (a look-alike passed over, a question naming nothing) go to the scored pools, with their span:

@@ -44,8 +44,9 @@ def reference_matching_pools(document, question, kpool, count, repeat_share=0.0,
     tokens met at most MATCH_MAX_COUNT times there adds log(pairs / its count) to its pool; pools rank by twice that
     sum plus their neighbours', and are taken best first (ties: the earlier), none within 7 pools of one taken, nor
     one whose span (3 pools before, 4 after) holds in phrases (question pairs next to another) only pairs of a place
-    taken, weighing less than repeat_share of that place's (a look-alike: passed over, and listed); until `count`
-    are taken before pool uncounted_from (all of them counting when it is None)."""
+    taken, weighing less than repeat_share of that place's (passed over, and listed: a look-alike, or a stray when
+    it holds no phrase); until `count` are taken before pool uncounted_from (all of them counting when it is
+    None)."""
     pairs = list(zip(document, document[1:]))
     # counted in the pairs wholly before pool uncounted_from; one met only after it, once
     before = len(pairs) if uncounted_from is None else max(1, min(len(pairs), uncounted_from * kpool - 1))
@@ -57,7 +58,7 @@ def reference_matching_pools(document, question, kpool, count, repeat_share=0.0,
         if counts[pairs[i]] <= MATCH_MAX_COUNT and i // kpool < len(own):
             own[i // kpool] += math.log(before / counts[pairs[i]])
     score = [2 * own[p] + (own[p - 1] if p else 0.0) + (own[p + 1] if p + 1 < len(own) else 0.0) for p in range(len(own))]
-    chosen, passed, held = [], [], []
+    chosen, look_alikes, strays, held = [], [], [], []
     limit = len(own) if uncounted_from is None else uncounted_from
     for p in sorted(range(len(score)), key=lambda p: -score[p]):
         if score[p] <= 0 or sum(c < limit for c in chosen) == count:
@@ -69,11 +70,11 @@ def reference_matching_pools(document, question, kpool, count, repeat_share=0.0,
                   (i - 1 in hits or i + 1 in hits)}
         weight = sum(math.log(before / counts[pair]) for pair in phrase)
         if any(phrase <= other and weight < repeat_share * other_weight for other, other_weight in held):
-            passed.append(p)
+            (look_alikes if phrase else strays).append(p)
             continue
         chosen.append(p)
         held.append((phrase, weight))
-    return chosen, passed
+    return chosen, look_alikes, strays
 
 
 class ReferenceCache:
@@ -126,7 +127,7 @@ class ReferenceCache:
             first, P, scores = self.scouted
             s = self.s
             # Matched up to the question: its window's places too, which do not count (they are read whole).
-            matched, look_alikes = ([], []) if tokens is None else \
+            matched, look_alikes, strays = ([], [], []) if tokens is None else \
                 reference_matching_pools(tokens[first * s.kpool: start], tokens[start:end], s.kpool,
                                          s.question_matches, s.match_repeat_share, uncounted_from=P)
 
@@ -134,9 +135,11 @@ class ReferenceCache:
                 return list(dict.fromkeys(min(max(p + d, 0), n - 1) for p in places for d in range(-3, 5)))
 
             held = (start - first * s.kpool) // s.kpool
-            shunned = set(spans(look_alikes, held)) - set(spans(matched, held))  # look-alikes' spans are not read
-            # nor attended in the window
-            self.hidden = {(p + first) * s.kpool + i for p in shunned if p >= P for i in range(s.kpool)}
+            taken = set(spans(matched, held))
+            shunned = set(spans(look_alikes + strays, held)) - taken  # passed-over places' spans are not read
+            # nor, a look-alike's, attended in the window
+            self.hidden = {(p + first) * s.kpool + i for p in set(spans(look_alikes, held)) - taken if p >= P
+                           for i in range(s.kpool)}
             matched = [p for p in matched if p < P]
             best = [p for p in sorted(range(P), key=lambda p: -scores[p]) if p not in shunned]
             budget = min(s.query_topk, s.topk) // s.kpool  # cut there; filled up with the next best it scores
@@ -767,12 +770,12 @@ def test_matching_pools_find_the_questions_rarest_wording():
     document[170:172] = [9, 10]
     question = [3, 5, 6, 7, 8, 2, 9, 10]
     pools = matching_pools(torch.tensor(document), torch.tensor(question), 4, 8).places.tolist()
-    assert (pools, []) == reference_matching_pools(document, question, 4, 8)
+    assert (pools, [], []) == reference_matching_pools(document, question, 4, 8)
     assert pools == [30, 20, 40]  # the rarest pair's pool (120 // 4), then 80's and 160's, not 170's
     assert matching_pools(torch.tensor(document), torch.tensor(question), 4, 1).places.tolist() == [30]
     for none in (matching_pools(torch.tensor(document), torch.tensor([2, 3, 4]), 4, 8),  # nothing shared
                  matching_pools(torch.tensor(document[:3]), torch.tensor(question), 4, 8)):  # no whole pool
-        assert none.places.tolist() == none.look_alikes.tolist() == []
+        assert none.places.tolist() == none.look_alikes.tolist() == none.strays.tolist() == []
     # Random ids, awkward lengths: the same pools as the reference, one pair at a time.
     generator = torch.Generator().manual_seed(0)
     for n in (5, 63, 401, 1203):
@@ -786,7 +789,7 @@ def test_matching_pools_find_the_questions_rarest_wording():
 
 def test_matching_pools_pass_over_look_alikes_and_keep_repeats():
     """The asked phrase twice, a look-alike sharing its first three tokens, and two of its words met by chance: with
-    a repeat share, the look-alike and the chance pair are passed over, the repeat kept."""
+    a repeat share, the look-alike and the chance pair (a stray) are passed over, the repeat kept."""
     from indexpool.model.indexpool_cache import matching_pools
 
     question = [20, 21, 22, 23, 24]
@@ -795,17 +798,19 @@ def test_matching_pools_pass_over_look_alikes_and_keep_repeats():
     document[120:124] = [20, 21, 22, 9]  # pool 30: a part of the phrase, then another word
     document[300:302] = [23, 24]  # pool 75: a pair on its own
     # (the look-alikes' neighbours, which their scores rank next, are met and passed over too)
-    for share, expected in ((0.0, ([10, 50, 30, 75], [])), (0.9, ([10, 50], [30, 29, 31, 75, 74, 76]))):
+    for share, expected in ((0.0, ([10, 50, 30, 75], [], [])), (0.9, ([10, 50], [30, 29, 31], [75, 74, 76]))):
         found = tuple(t.tolist() for t in matching_pools(torch.tensor(document), torch.tensor(question), 4, 8, share))
         assert found == expected == reference_matching_pools(document, question, 4, 8, share)
     # Places from pool uncounted_from on (a recent window) do not count: with none counted, every place is met.
     assert matching_pools(torch.tensor(document), torch.tensor(question), 4, 1, 0.9).places.tolist() == [10]
     assert matching_pools(torch.tensor(document), torch.tensor(question), 4, 1, 0.9, 11).places.tolist() == [10]
     found = matching_pools(torch.tensor(document), torch.tensor(question), 4, 1, 0.9, uncounted_from=1)
-    assert found.places.tolist() == [10, 50] and found.look_alikes.tolist() == [30, 29, 31, 75, 74, 76]
+    assert found.places.tolist() == [10, 50] and found.look_alikes.tolist() == [30, 29, 31]
+    assert found.strays.tolist() == [75, 74, 76]
     # the look-alike weighs about half the phrase: kept where less than half passes a place over
     found = matching_pools(torch.tensor(document), torch.tensor(question), 4, 8, 0.4)
-    assert found.places.tolist() == [10, 50, 30] and found.look_alikes.tolist() == [75, 74, 76]
+    assert found.places.tolist() == [10, 50, 30] and found.look_alikes.tolist() == []
+    assert found.strays.tolist() == [75, 74, 76]
 
 
 def test_kept_question_pools_come_first_in_their_order():
@@ -871,6 +876,8 @@ def test_a_look_alike_in_the_recent_window_is_not_attended():
     places are matched too (not counted among the question's matches: they are read whole), so the half is a
     look-alike there, and the question's second read and its answer's steps attend the window without its span,
     as the reference does; the read that finds it sees it."""
+    from indexpool.model.indexpool_cache import matching_pools
+
     settings = SETTINGS | dict(window=32, query_tokens=12)
     model = tiny_model(4)
     prompt = prompts_for(8, [240])[0]
@@ -891,6 +898,21 @@ def test_a_look_alike_in_the_recent_window_is_not_attended():
     assert again.cache.question_hidden is None
     assert not torch.allclose(run_session(model, settings | dict(match_repeat_share=0.0), [prompt]),
                               run_session(model, settings, [prompt]), atol=2e-4, rtol=0)
+    # Two of the question's words alone in the window (a stray: met by chance, no phrase) are passed over but
+    # attended: they name no wrong answer.
+    stray = list(prompt)
+    stray[196:199] = prompts_for(9, [3])[0]
+    stray[204:206] = question[5:7]
+    config = IndexPoolConfig(**settings, kv_storage="full")
+    first = config.sinks // 4
+    found = matching_pools(torch.tensor(stray[first * 4: 228]), torch.tensor(question), 4, config.question_matches,
+                           config.match_repeat_share, uncounted_from=196 // 4 - first)
+    assert 204 // 4 - first in found.strays.tolist() and not len(found.look_alikes)
+    session = Session(model, 256, attention=config)
+    session.prefill(stray)
+    assert session.cache.question_hidden is None
+    torch.testing.assert_close(run_session(model, settings, [stray]),
+                               run_session(model, settings, [stray], reference=True), atol=2e-4, rtol=0)
 
 
 def test_a_question_is_read_twice_and_its_answer_keeps_its_pools():
