@@ -204,7 +204,7 @@ class Session:
             if e > s:
                 forward = partial(self.model, new[:, s:e], keep + s, self.cache)
                 # A question is read twice: first for its pools (`IndexPoolCache.read_question`).
-                logits = self.cache.read_question(forward, prompt) if asks and s == body and asks(e - s) \
+                logits = self.cache.read_question(forward, prompt, keep) if asks and s == body and asks(e - s) \
                     else forward()
                 if on_progress:
                     on_progress(e, total)

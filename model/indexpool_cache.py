@@ -49,7 +49,8 @@ largest of its queries' scores for it, each summed over the scoring layers. Thos
 (`QUESTION_SPAN`), are kept ahead of every other in each per-query selection of the second read and of the answer's
 tokens after it, and so, ahead of them, are the places where the document holds the question's rarest wording
 (`question_matches`, `matching_pools`: pairs of consecutive question tokens met at most MATCH_MAX_COUNT times in the
-document, each weighted by its rarity, the recent window's too; a place matching only part of a better place's
+document, each weighted by its rarity, the recent window's too where it holds what came before the question: a
+place matching only part of a better place's
 phrase, a look-alike key, is passed over: not read, and left out of the window these forwards attend; a place
 holding no phrase of the question, only pairs met by chance, is not read either, but the window keeps it). Matched
 places, then scored ones, are cut at those forwards' far tokens (query_topk), so a place no match finds goes to a
@@ -626,10 +627,13 @@ class IndexPoolCache:
         return bool(s.question_pools or s.question_matches) and length >= 2 and self.length % s.kpool == 0 and \
             not rereads and self._reading_plan(self._window_start(self.length), length)[-1]
 
-    def read_question(self, forward: Callable[[], torch.Tensor], tokens: Sequence[int] | None = None) -> torch.Tensor:
+    def read_question(self, forward: Callable[[], torch.Tensor], tokens: Sequence[int] | None = None,
+                      held: int = 0) -> torch.Tensor:
         """Read a question (see `asks`) twice; `forward()` runs the model over its tokens and returns the logits;
         `tokens`, the prompt's ids (those held, then the question's), adds the pools holding the question's rarest
-        wording (`matching_pools`) ahead of those its queries score best.
+        wording (`matching_pools`) ahead of those its queries score best. `held`: how many of them the cache held
+        before the call that reads the question (the document, as far as the cache can tell: the recent window's
+        places are matched up to there, not among the tokens read with the question, its own words among them).
 
         The first read finds the question's pools and takes the evidence: where the question looks of itself (in
         the second read every token's selection holds the kept pools, which would draw its attention to them
@@ -652,7 +656,9 @@ class IndexPoolCache:
             if tokens is not None and s.question_matches:
                 # The window's places are matched too, though read whole: a look-alike there is passed over only
                 # when the place it looks like is found, wherever that lies.
-                document, question = torch.tensor(tokens[first * s.kpool: start]), torch.tensor(tokens[start:end])
+                document_end = max((first + n) * s.kpool, min(start, held))
+                document = torch.tensor(tokens[first * s.kpool: document_end])
+                question = torch.tensor(tokens[start:end])
                 matched, look_alikes, strays = (m.to(order.device) for m in
                                                 matching_pools(document, question, s.kpool, s.question_matches,
                                                                s.match_repeat_share, uncounted_from=n))

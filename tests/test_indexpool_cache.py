@@ -117,7 +117,7 @@ class ReferenceCache:
         return (s.question_pools or s.question_matches) > 0 and 2 <= length <= s.query_tokens and self.length % s.kpool == 0 and \
             ws - min(s.sinks, ws) > s.topk and min(s.query_topk, s.topk) > 0 and not inside
 
-    def read_question(self, forward, tokens=None):
+    def read_question(self, forward, tokens=None, held=0):
         start, self.scouting_question, self.scouted = self.length, True, None
         forward()
         end, self.scouting_question = self.length, False
@@ -126,19 +126,21 @@ class ReferenceCache:
         if self.scouted is not None:  # the question's best pools by any of its queries, each with 3 before, 4 after
             first, P, scores = self.scouted
             s = self.s
-            # Matched up to the question: its window's places too, which do not count (they are read whole).
+            # Matched up to the question: its window's places too, those held before the question's call, which do
+            # not count (they are read whole).
+            document = tokens[first * s.kpool: max((first + P) * s.kpool, min(start, held))] if tokens else []
             matched, look_alikes, strays = ([], [], []) if tokens is None else \
-                reference_matching_pools(tokens[first * s.kpool: start], tokens[start:end], s.kpool,
+                reference_matching_pools(document, tokens[start:end], s.kpool,
                                          s.question_matches, s.match_repeat_share, uncounted_from=P)
 
             def spans(places, n):  # each place with 3 pools before and 4 after, clamped, once each, in order
                 return list(dict.fromkeys(min(max(p + d, 0), n - 1) for p in places for d in range(-3, 5)))
 
-            held = (start - first * s.kpool) // s.kpool
-            taken = set(spans(matched, held))
-            shunned = set(spans(look_alikes + strays, held)) - taken  # passed-over places' spans are not read
+            n_held = len(document) // s.kpool
+            taken = set(spans(matched, n_held))
+            shunned = set(spans(look_alikes + strays, n_held)) - taken  # passed-over places' spans are not read
             # nor, a look-alike's, attended in the window
-            self.hidden = {(p + first) * s.kpool + i for p in set(spans(look_alikes, held)) - taken if p >= P
+            self.hidden = {(p + first) * s.kpool + i for p in set(spans(look_alikes, n_held)) - taken if p >= P
                            for i in range(s.kpool)}
             matched = [p for p in matched if p < P]
             best = [p for p in sorted(range(P), key=lambda p: -scores[p]) if p not in shunned]
@@ -873,46 +875,53 @@ def test_a_look_alikes_place_is_not_read_though_the_question_scores_it():
 
 def test_a_look_alike_in_the_recent_window_is_not_attended():
     """The question's wording far back and its first half, then other words, inside the recent window: the window's
-    places are matched too (not counted among the question's matches: they are read whole), so the half is a
-    look-alike there, and the question's second read and its answer's steps attend the window without its span,
-    as the reference does; the read that finds it sees it."""
+    places the session held before the question came (the document) are matched too (not counted among the
+    question's matches: they are read whole), so the half is a look-alike there, and the question's second read and
+    its answer's steps attend the window without its span, as the reference does; the read that finds it sees it.
+    Tokens read in the question's own call (its own words, which may begin before the tokens read twice) are not
+    matched, nor is the window of a prompt read in one call."""
     from indexpool.model.indexpool_cache import matching_pools
 
     settings = SETTINGS | dict(window=32, query_tokens=12)
+    config = IndexPoolConfig(**settings, kv_storage="full")
     model = tiny_model(4)
     prompt = prompts_for(8, [240])[0]
     question = prompt[228:240]  # the question read twice; its window starts at 196
     prompt[60:72] = question
     # Its span (3 pools before it, 4 after; its neighbours', which rank next, passed over too) leaves out 196-219.
     prompt[196:199] = question[:3]
-    session = Session(model, 256, attention=IndexPoolConfig(**settings, kv_storage="full"))
-    session.prefill(prompt)
-    hidden = session.cache.question_hidden.tolist()
-    assert hidden == list(range(196, 220))
-    torch.testing.assert_close(run_session(model, settings, [prompt]),
-                               run_session(model, settings, [prompt], reference=True), atol=2e-4, rtol=0)
+
+    def hidden_after(document_end, prompt, settings=config):  # the document held, then the prompt read
+        session = Session(model, 256, attention=settings)
+        session.prefill(prompt[:document_end], query_tail=False)
+        session.prefill(prompt)
+        return session.cache.question_hidden
+
+    assert hidden_after(224, prompt).tolist() == list(range(196, 220))
+    torch.testing.assert_close(run_session(model, settings, [prompt[:224], prompt]),
+                               run_session(model, settings, [prompt[:224], prompt], reference=True), atol=2e-4, rtol=0)
     # Without look-alikes passed over, nothing is left out, and the answer reads otherwise.
-    alike = replace(session.cache.settings, match_repeat_share=0.0)
-    again = Session(model, 256, attention=alike)
-    again.prefill(prompt)
-    assert again.cache.question_hidden is None
-    assert not torch.allclose(run_session(model, settings | dict(match_repeat_share=0.0), [prompt]),
-                              run_session(model, settings, [prompt]), atol=2e-4, rtol=0)
+    assert hidden_after(224, prompt, replace(config, match_repeat_share=0.0)) is None
+    assert not torch.allclose(run_session(model, settings | dict(match_repeat_share=0.0), [prompt[:224], prompt]),
+                              run_session(model, settings, [prompt[:224], prompt]), atol=2e-4, rtol=0)
+    # The window's tokens read with the question (the document held up to 196), or the prompt read in one call:
+    # nothing matched there, nothing left out.
+    assert hidden_after(196, prompt) is None
+    one_call = Session(model, 256, attention=config)
+    one_call.prefill(prompt)
+    assert one_call.cache.question_hidden is None
     # Two of the question's words alone in the window (a stray: met by chance, no phrase) are passed over but
     # attended: they name no wrong answer.
     stray = list(prompt)
     stray[196:199] = prompts_for(9, [3])[0]
     stray[204:206] = question[5:7]
-    config = IndexPoolConfig(**settings, kv_storage="full")
     first = config.sinks // 4
-    found = matching_pools(torch.tensor(stray[first * 4: 228]), torch.tensor(question), 4, config.question_matches,
+    found = matching_pools(torch.tensor(stray[first * 4: 224]), torch.tensor(question), 4, config.question_matches,
                            config.match_repeat_share, uncounted_from=196 // 4 - first)
     assert 204 // 4 - first in found.strays.tolist() and not len(found.look_alikes)
-    session = Session(model, 256, attention=config)
-    session.prefill(stray)
-    assert session.cache.question_hidden is None
-    torch.testing.assert_close(run_session(model, settings, [stray]),
-                               run_session(model, settings, [stray], reference=True), atol=2e-4, rtol=0)
+    assert hidden_after(224, stray) is None
+    torch.testing.assert_close(run_session(model, settings, [stray[:224], stray]),
+                               run_session(model, settings, [stray[:224], stray], reference=True), atol=2e-4, rtol=0)
 
 
 def test_a_question_is_read_twice_and_its_answer_keeps_its_pools():
