@@ -33,6 +33,9 @@ first read finds the pools it keeps, from the question's tokens only).
     .venv/bin/python -m benchmarks.ruler --lengths 32768,131072 --readers indexpool,window --json ruler.json
     .venv/bin/python -m benchmarks.ruler --haystack haystack.txt --lengths 32768 --tasks niah_single --topk 4096
 
+`--shared-document` (the needle tasks) plants every sample's needles in one document and asks each sample's
+question of it: the document is read once for all of them, which is what makes 10 samples at 1M one read of 1M
+tokens; each question then has the other samples' needles besides its own (harder than a sample alone).
 `--haystack FILE` draws the samples from that text (save `common.natural_haystack()` to a file to draw the same
 ones on another machine); `--topk` sets IndexPool's far tokens per query, `--query-topk` those of the question's
 and the answer's queries, `--question-pools` and `--question-matches` the question's pools kept for them (its best
@@ -71,6 +74,7 @@ from indexpool.model.tensor_cache import write_atomically
 from indexpool.model.sessions import SessionOptions, default_indexer, describe_indexers, segment_indexer
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
+NIAH_TASKS = TASKS[:4]
 READERS = ("dense", "indexpool", "window")
 TOLERANCE = 0.01  # a prompt has between (1 - TOLERANCE) * length and length tokens
 MAX_NEW_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "niah_multiquery": 48, "vt": 40,
@@ -104,6 +108,17 @@ class Sample:
     answers: list[str]  # what the answer must name, all of it
     prompt: list[int] = field(repr=False)  # token ids: chat template, instruction, document, question, answer start
     document_end: int = field(repr=False)  # prompt[:document_end]: the chat template's start, instruction, document
+    number: int = 0  # the sample's number among the task's (its seed's last part)
+
+
+@dataclass
+class NeedlePlan:
+    """A needle task's sample before its document is written: what it plants and what it asks."""
+    task: str
+    needles: list[tuple[float, str, str]]  # (depth in [0, 1), key, value), planted in this order
+    question: str
+    answer_start: str
+    answers: list[str]
 
 
 def recall_all(answer: str, expected: list[str]) -> float:
@@ -187,12 +202,38 @@ class Generator:
         self._head = tokenizer.encode(pre, allow_special=True)
         self._post = post
 
-    def samples(self, task: str, length: int, count: int, seed: int, first: int = 0) -> list[Sample]:
-        """Samples number first .. first + count - 1 of the task, length and seed (each drawn on its own)."""
+    def samples(self, task: str, length: int, count: int, seed: int, first: int = 0,
+                shared: bool = False) -> list[Sample]:
+        """Samples number first .. first + count - 1 of the task, length and seed (each drawn on its own).
+        `shared` (the needle tasks only): one document holds every sample's needles, each sample asking its own
+        question of it; a sample whose keys or values another already has is passed over for the next number."""
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
+        if shared and task not in NIAH_TASKS:
+            raise ValueError(f"one shared document holds the needle tasks' samples only ({', '.join(NIAH_TASKS)}), "
+                             f"not {task}'s")
         build = getattr(self, f"_{task}")
-        return [build(random.Random(f"{seed}:{task}:{length}:{i}"), length) for i in range(first, first + count)]
+        if task not in NIAH_TASKS:
+            return [dataclasses.replace(build(self._rng(seed, task, length, i), length), number=i)
+                    for i in range(first, first + count)]
+        if not shared:
+            return [self._niah_document(length, [build(self._rng(seed, task, length, i))], [i])[0]
+                    for i in range(first, first + count)]
+        planted, numbers, taken = [], [], set()
+        i = first
+        while len(planted) < count:
+            plan = build(self._rng(seed, task, length, i))
+            names = {key for _, key, _ in plan.needles} | {value for _, _, value in plan.needles}
+            if not names & taken:
+                planted.append(plan)
+                numbers.append(i)
+                taken |= names
+            i += 1
+        return self._niah_document(length, planted, numbers)
+
+    @staticmethod
+    def _rng(seed: int, task: str, length: int, number: int) -> random.Random:
+        return random.Random(f"{seed}:{task}:{length}:{number}")
 
     def _sample(self, task, length, intro, document, question, answer_start, answers) -> Sample:
         user = self._head + self.tokenizer.encode(intro + document + question)
@@ -244,8 +285,8 @@ class Generator:
     def needle(key: str, value: str) -> str:
         return f"One of the special magic numbers for {key} is: {value}. "
 
-    def _niah(self, rng: random.Random, length: int, task: str, needles: list[tuple[str, str]], asked: list[str],
-              answers: list[str]) -> Sample:
+    def _niah(self, rng: random.Random, task: str, needles: list[tuple[str, str]], asked: list[str],
+              answers: list[str]) -> NeedlePlan:
         """`needles` (key, value) at random depths of the prose, `asked` keys asked for, `answers` expected."""
         depths = sorted(rng.random() for _ in needles)
         order = rng.sample(needles, len(needles))
@@ -257,22 +298,33 @@ class Generator:
             every = " all" if len(asked) == 1 else ""  # several values for one key
             question = f"\n\nWhat are{every} the special magic numbers for {keys} mentioned in the text above?"
             answer_start = f"The special magic numbers for {keys} mentioned in the text are"
+        return NeedlePlan(task, [(depth, key, value) for depth, (key, value) in zip(depths, order)], question,
+                          answer_start, answers)
 
-        def build(size: int) -> Sample:
+    def _niah_document(self, length: int, plans: list[NeedlePlan], numbers: list[int]) -> list[Sample]:
+        """One document holding every plan's needles, and a sample for each plan's question of it (numbered as
+        `numbers` say). Fitted with the longest question, so that every prompt is within the length."""
+
+        def build(size: int, plan: NeedlePlan) -> Sample:
             inserts: dict[int, list[str]] = {}
-            for depth, (key, value) in zip(depths, order):
-                inserts.setdefault(round(depth * size), []).append(self.needle(key, value))
-            return self._sample(task, length, NIAH_INTRO, self.haystack.prose(size, inserts), question, answer_start,
-                                answers)
+            for each in plans:
+                for depth, key, value in each.needles:
+                    inserts.setdefault(round(depth * size), []).append(self.needle(key, value))
+            return self._sample(plan.task, length, NIAH_INTRO, self.haystack.prose(size, inserts), plan.question,
+                                plan.answer_start, plan.answers)
 
-        return self._fit(build, length)
+        longest = max(plans, key=lambda plan: len(build(0, plan).prompt))
+        fitted = self._fit(lambda size: build(size, longest), length)
+        return [dataclasses.replace(fitted if plan is longest else self._sample(
+            plan.task, length, NIAH_INTRO, fitted.document, plan.question, plan.answer_start, plan.answers),
+            number=number) for plan, number in zip(plans, numbers)]
 
-    def _niah_single(self, rng, length):
+    def _niah_single(self, rng):
         key, = self._keys(rng, 1)
         value, = self._numbers(rng, 1, 7)
-        return self._niah(rng, length, "niah_single", [(key, value)], [key], [value])
+        return self._niah(rng, "niah_single", [(key, value)], [key], [value])
 
-    def _niah_multikey(self, rng, length):
+    def _niah_multikey(self, rng):
         """Three distractors whose keys look like the asked one: each keeps one of its two words."""
         key, = self._keys(rng, 1)
         adjective, noun = key.split("-")
@@ -283,16 +335,16 @@ class Generator:
                 distractors.add(other)
         values = self._numbers(rng, 4, 7)
         needles = list(zip([key, *sorted(distractors)], values))
-        return self._niah(rng, length, "niah_multikey", needles, [key], values[:1])
+        return self._niah(rng, "niah_multikey", needles, [key], values[:1])
 
-    def _niah_multivalue(self, rng, length):
+    def _niah_multivalue(self, rng):
         key, = self._keys(rng, 1)
         values = self._numbers(rng, 4, 7)
-        return self._niah(rng, length, "niah_multivalue", [(key, v) for v in values], [key], values)
+        return self._niah(rng, "niah_multivalue", [(key, v) for v in values], [key], values)
 
-    def _niah_multiquery(self, rng, length):
+    def _niah_multiquery(self, rng):
         keys, values = self._keys(rng, 4), self._numbers(rng, 4, 7)
-        return self._niah(rng, length, "niah_multiquery", list(zip(keys, values)), keys, values)
+        return self._niah(rng, "niah_multiquery", list(zip(keys, values)), keys, values)
 
     # --- variable tracking ---
 
@@ -448,9 +500,11 @@ def answer_under(session: Session, sample: Sample, settings: IndexPoolConfig | N
 def draw(generator: Generator, task: str, length: int, args) -> list[Sample]:
     """The run's samples of a task and length; a length too short for the task ends the run with a one-line error."""
     try:
-        return generator.samples(task, length, args.samples, args.seed, args.first_sample)
+        return generator.samples(task, length, args.samples, args.seed, args.first_sample, args.shared_document)
     except ValueError as error:
         raise SystemExit(f"ruler.py: error: {error}: choose a longer --lengths") from None
+    except RuntimeError as error:  # a piece of the prose longer than the 1% a length allows sits where it ends
+        raise SystemExit(f"ruler.py: error: {error}: try another --seed or length") from None
 
 
 def print_word_baselines(args, generator: Generator, window: int) -> None:
@@ -498,7 +552,7 @@ def run(args) -> None:
     def save() -> None:
         report = {"machine": machine, "model": loaded.name, "context": context,
                   "indexer": describe_indexers(indexer, for_segments), "seed": args.seed,
-                  "first_sample": args.first_sample,
+                  "first_sample": args.first_sample, "shared_document": args.shared_document,
                   "topk": topk, "query_topk": query_topk, "question_pools": question_pools, "question_matches": question_matches,
                   "match_repeat_share": repeat_share,
                   "max_new_tokens": MAX_NEW_TOKENS, "rows": rows, "averages": averages}
@@ -523,8 +577,8 @@ def run(args) -> None:
             for task in args.tasks:
                 details = {name: [] for name, _ in variants}
                 seconds, read = {name: [] for name, _ in variants}, {name: [] for name, _ in variants}
-                # In the order of their token ids (the docstring), each under its own number.
-                for i, sample in sorted(enumerate(samples[task], args.first_sample), key=lambda p: p[1].prompt):
+                for sample in sorted(samples[task], key=lambda s: s.prompt):  # in the order of their token ids
+                    i = sample.number
                     for name, settings in variants:
                         t0 = time.perf_counter()
                         label = f"{task} {length}:{name}"
@@ -606,6 +660,10 @@ def main() -> None:
                         help="IndexPool also reads each question and its answer under these settings, the rest of "
                              "the prompt read once for all: ';'-separated groups of NAME=NUMBER, NAME one of "
                              f"{', '.join(QUESTION_SETTINGS)} (e.g. 'question_pools=0,query_topk=1024'); a row each")
+    parser.add_argument("--shared-document", action="store_true",
+                        help=f"the needle tasks ({', '.join(NIAH_TASKS)}): one document holds every sample's needles "
+                             "and each sample asks its own question of it, so the document is read once (what makes "
+                             "10 samples at 1M one read); each question meets the other samples' needles too")
     parser.add_argument("--haystack", metavar="FILE",
                         help="the prose needles hide in, as UTF-8 text (default: Python's documentation, then the "
                              "system's license texts, which differ between machines: save them to a file to draw the "
@@ -616,6 +674,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.first_sample < 0 or args.samples < 1:
         parser.error("--first-sample must be >= 0 and --samples >= 1")
+    if args.shared_document and set(args.tasks) - set(NIAH_TASKS):
+        parser.error(f"--shared-document takes the needle tasks only: {', '.join(NIAH_TASKS)}")
     if args.baselines and not set(args.tasks) & set(WORD_TASKS):
         parser.error(f"--baselines scores {' and '.join(WORD_TASKS)} only: name one of them in --tasks")
     run(args)

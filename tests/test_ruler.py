@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from benchmarks.ruler import (ADJECTIVES, NOUNS, TASKS, Generator, Haystack, document_words, draw, recall_all,
-                              word_baselines)
+from benchmarks.ruler import (ADJECTIVES, NIAH_TASKS, NOUNS, TASKS, Generator, Haystack, document_words, draw,
+                              recall_all, word_baselines)
 
 NEEDLE = re.compile(r"One of the special magic numbers for ([a-z]+-[a-z]+) is: (\d+)\. ")
 ASSIGNMENT = re.compile(r"^VAR ([A-Z]{5}) = (VAR ([A-Z]{5})|\d{5})$", re.M)
@@ -52,7 +52,7 @@ def test_prompts_are_the_chat_template_within_1_percent_of_the_length(generator,
 def test_a_length_too_short_for_the_task_is_refused(generator):
     with pytest.raises(ValueError, match="too short"):
         generator.samples("cwe", 1024, 1, seed=0)  # the common words alone take more
-    run = argparse.Namespace(samples=1, seed=0, first_sample=0)
+    run = argparse.Namespace(samples=1, seed=0, first_sample=0, shared_document=False)
     with pytest.raises(SystemExit, match=r"^ruler.py: error: a length of 1024 tokens is too short .*--lengths$"):
         draw(generator, "cwe", 1024, run)  # the command line's one-line error, not a traceback
 
@@ -103,6 +103,45 @@ def test_multivalue_and_multiquery_ask_for_every_value(generator):
         assert len(asked) == len(values) == 4 and set(asked) == set(values)
         assert sample.answers == [values[key] for key in asked]
         assert all(sample.document.count(value) == 1 for value in sample.answers)
+
+
+@pytest.mark.parametrize("task", NIAH_TASKS)
+def test_a_shared_document_holds_every_samples_needles_once_and_each_asks_its_own(generator, task):
+    alone = generator.samples(task, 16384, 6, seed=5, first=2)
+    shared = generator.samples(task, 16384, 6, seed=5, first=2, shared=True)
+    document = shared[0].document
+    planted = needles(shared[0])
+    assert all(sample.document == document for sample in shared)
+    assert len({tuple(sample.answers) for sample in shared}) == 6
+    keys = [key for key, _ in planted]
+    for sample in shared:
+        assert 0.99 * 16384 <= len(sample.prompt) <= 16384, len(sample.prompt)
+        assert all(document.count(value) == 1 for value in sample.answers)
+        # Numbered as drawn alone, with what that sample plants alone: its needles, its question, its answers.
+        own, = [each for each in alone if each.number == sample.number] or [None]
+        if own is not None:
+            assert (own.question, own.answers) == (sample.question, sample.answers)
+            assert set(needles(own)) <= set(planted)
+            for key in {key for key, _ in needles(own)}:  # no other sample plants a key of its own
+                assert keys.count(key) == [k for k, _ in needles(own)].count(key)
+    assert len(planted) == 6 * len(needles(alone[0]))
+    assert [sample.number for sample in shared][:1] == [2] and len({s.number for s in shared}) == 6
+
+
+def test_a_shared_document_passes_over_a_sample_whose_key_another_has(generator):
+    """niah_single's keys are two words of 1,720 pairs, drawn before anything else: with seed 4 samples 8 and 1 or
+    another before it share one, and sample 8 is passed over for number 9."""
+    alone = generator.samples("niah_single", 4096, 10, seed=4)
+    keys = [needles(sample)[0][0] for sample in alone]
+    clash = next(i for i, key in enumerate(keys) if key in keys[:i])
+    shared = generator.samples("niah_single", 4096, 9, seed=4, shared=True)
+    assert [sample.number for sample in shared] == [i for i in range(10) if i != clash]
+    assert sorted(key for key, _ in needles(shared[0])) == sorted(keys[:clash] + keys[clash + 1:])
+
+
+def test_a_shared_document_is_refused_for_the_tasks_without_needles(generator):
+    with pytest.raises(ValueError, match="needle tasks"):
+        generator.samples("vt", 4096, 2, seed=0, shared=True)
 
 
 def test_variable_tracking_chains_resolve_to_the_answers(generator):
