@@ -222,6 +222,9 @@ class Generator:
         planted, numbers, taken = [], [], set()
         i = first
         while len(planted) < count:
+            if i - first >= 10 * count + 100:
+                raise RuntimeError(f"only {len(planted)} of {count} {task} samples have keys and values of their own "
+                                   f"in one document: ask for fewer --samples")
             plan = build(self._rng(seed, task, length, i))
             names = {key for _, key, _ in plan.needles} | {value for _, _, value in plan.needles}
             if not names & taken:
@@ -262,7 +265,8 @@ class Generator:
             size = max(1, size + (step or (1 if n < goal else -1)))
             if size in tried:  # circling: one piece straddles the interval; step by one from here
                 size = size + 1 if len(tried[size].prompt) < goal else size - 1
-        raise RuntimeError(f"could not fit a {build.__qualname__} sample to {length} tokens")
+        raise RuntimeError(f"could not fit a {build.__qualname__} sample to {length} tokens (a piece of the prose "
+                           f"longer than the 1% a length allows lies where it ends): try another --seed or length")
 
     # --- needles in a haystack ---
 
@@ -503,8 +507,8 @@ def draw(generator: Generator, task: str, length: int, args) -> list[Sample]:
         return generator.samples(task, length, args.samples, args.seed, args.first_sample, args.shared_document)
     except ValueError as error:
         raise SystemExit(f"ruler.py: error: {error}: choose a longer --lengths") from None
-    except RuntimeError as error:  # a piece of the prose longer than the 1% a length allows sits where it ends
-        raise SystemExit(f"ruler.py: error: {error}: try another --seed or length") from None
+    except RuntimeError as error:
+        raise SystemExit(f"ruler.py: error: {error}") from None
 
 
 def print_word_baselines(args, generator: Generator, window: int) -> None:

@@ -139,9 +139,12 @@ def test_a_shared_document_passes_over_a_sample_whose_key_another_has(generator)
     assert sorted(key for key, _ in needles(shared[0])) == sorted(keys[:clash] + keys[clash + 1:])
 
 
-def test_a_shared_document_is_refused_for_the_tasks_without_needles(generator):
+def test_a_shared_document_is_refused_for_the_tasks_without_needles_and_for_more_samples_than_keys(generator):
     with pytest.raises(ValueError, match="needle tasks"):
         generator.samples("vt", 4096, 2, seed=0, shared=True)
+    run = argparse.Namespace(samples=1721, seed=0, first_sample=0, shared_document=True)  # 1,720 keys
+    with pytest.raises(SystemExit, match=r"^ruler.py: error: only 1\d\d\d of 1721 niah_single samples .* fewer --samples$"):
+        draw(generator, "niah_single", 16384, run)
 
 
 def test_variable_tracking_chains_resolve_to_the_answers(generator):
