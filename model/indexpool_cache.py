@@ -48,10 +48,10 @@ or more) twice. The first read (`read_question`) finds the pools its tokens sing
 largest of its queries' scores for it, each summed over the scoring layers. Those few pools, with their neighbours
 (`QUESTION_SPAN`), are kept ahead of every other in each per-query selection of the second read and of the answer's
 tokens after it, and so, ahead of them, are the places where the document holds the question's rarest wording
-(`question_matches`, `matching_pools`: pairs of consecutive question tokens met at most MATCH_MAX_COUNT times in the
-document, each weighted by its rarity, the recent window's too where it holds what came before the question: a
-place matching only part of a better place's phrase, a look-alike key, is passed over: not read, and left out of
-the window these forwards attend; a place holding no phrase of the question, only pairs met by chance, is not read
+(`question_matches`, `matching_pools`: pairs of consecutive question tokens met at most 32 times in the document,
+or once per 4,096 tokens past 128K, each weighted by its rarity, the recent window's too where it holds what came
+before the question: a place matching only part of a better place's phrase, a look-alike key, is passed over: not
+read, and left out of the window these forwards attend; a place holding no phrase of the question, only pairs met by chance, is not read
 either, but the window keeps it). Matched places, then scored ones, are cut at those forwards' far tokens
 (query_topk), so a place no match finds goes to a scored pool's span, not to 4-token pieces of scattered places
 (frequent-word answers copied garbled words from those); the pools the question scores best after those fill what
@@ -96,8 +96,11 @@ from .llama import LlamaConfig, inverse_frequencies, zeroed
 # Around each of a question's best pools, the pools kept with it: a needle's key sits a few tokens before its value,
 # and the pool a question's tokens single out is the key's (from 12 tokens before it to 20 after).
 QUESTION_SPAN = range(-3, 5)
-# A pair of consecutive tokens met more often than this in a document names nothing in particular (`matching_pools`).
+# A pair of consecutive tokens met more often than this in a document names nothing in particular (`matching_pools`),
+# nor, past 128K tokens, one met more often than once per MATCH_SPARSE tokens: a frame repeated around many keys (a
+# reference's entries, a suite's needles) stays part of what ties a key's look-alikes to the place asked for.
 MATCH_MAX_COUNT = 32
+MATCH_SPARSE = 4096
 TOKEN_PAIR_BASE = 1 << 32  # a pair of token ids as one int64: first * base + second
 INDEX_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8_DTYPE}
 KV_STORAGE = ("auto", "bf16", "int8", "full")
@@ -192,13 +195,19 @@ class Matches(NamedTuple):
     strays: torch.Tensor  # pools passed over holding question pairs on their own only (met by chance), likewise
 
 
+def common_pair_count(pairs: int) -> int:
+    """How often a pair of consecutive tokens may occur among a document's `pairs` and still count as naming
+    something: MATCH_MAX_COUNT, or once per MATCH_SPARSE pairs where that is more."""
+    return max(MATCH_MAX_COUNT, pairs // MATCH_SPARSE)
+
+
 def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, count: int,
                    repeat_share: float = 0.0, uncounted_from: int | None = None) -> Matches:
     """Where `document` (token ids, starting at a pool boundary) holds the question's rarest wording: the pools
     (indices into document's complete pools, best first, no two within a QUESTION_SPAN of each other) holding pairs
     of consecutive question tokens, until `count` of them lie before pool `uncounted_from` (those from there, the
     recent window's, are read whole anyway: taken without counting), and the places passed over on the way.
-    Each occurrence of a pair met at most MATCH_MAX_COUNT times in the document (before pool `uncounted_from`)
+    Each occurrence of a pair met at most `common_pair_count` times in the document (before pool `uncounted_from`)
     adds log(pairs there / its count) to its pool; a pool ranks by its own sum, twice, and its two neighbours' (a
     phrase spans pool boundaries). A place is passed over when its span holds in phrases (runs of the question's
     pairs, three tokens or more) only pairs that a place taken before holds too, weighing (each pair once) less
@@ -217,7 +226,7 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
     # over MATCH_MAX_COUNT); a pair met only in the window counts once.
     before = len(pairs) if uncounted_from is None else max(1, min(len(pairs), uncounted_from * kpool - 1))
     counts = torch.bincount(which[at < before], minlength=len(distinct)).clamp_min(1)
-    rare = counts[which] <= MATCH_MAX_COUNT
+    rare = counts[which] <= common_pair_count(before)
     pair_weights = torch.log(before / counts.double())  # of each distinct pair
     # A pair next to another of the question's: part of a phrase of three tokens or more that it holds.
     phrased = torch.isin(at - 1, at) | torch.isin(at + 1, at)

@@ -17,7 +17,7 @@ import torch
 from indexpool.model.generate import Session
 from indexpool.model.indexers import TrainingFreeIndexer
 from indexpool.model.indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes, pool_keys
-from indexpool.model.indexpool_cache import (INDEX_DTYPES, MATCH_MAX_COUNT, IndexPoolCache, IndexPoolConfig,
+from indexpool.model.indexpool_cache import (INDEX_DTYPES, MATCH_MAX_COUNT, MATCH_SPARSE, IndexPoolCache, IndexPoolConfig,
                                              place_far_tokens)
 from indexpool.model.lightning_indexer import LightningIndexer, LightningIndexerConfig, ModelFingerprint
 from indexpool.kernels.rope import apply_rope, rope_at
@@ -41,7 +41,8 @@ def tiny_model(seed: int = 0, config: LlamaConfig = CONFIG) -> Transformer:
 
 def reference_matching_pools(document, question, kpool, count, repeat_share=0.0, uncounted_from=None):
     """`matching_pools`, one pair at a time: each occurrence in the document of a pair of consecutive question
-    tokens met at most MATCH_MAX_COUNT times there adds log(pairs / its count) to its pool; pools rank by twice that
+    tokens met at most MATCH_MAX_COUNT times there (once per MATCH_SPARSE pairs where more) adds log(pairs / its
+    count) to its pool; pools rank by twice that
     sum plus their neighbours', and are taken best first (ties: the earlier), none within 7 pools of one taken, nor
     one whose span (3 pools before, 4 after) holds in phrases (question pairs next to another) only pairs of a place
     taken, weighing less than repeat_share of that place's (passed over, and listed: a look-alike, or a stray when
@@ -51,22 +52,23 @@ def reference_matching_pools(document, question, kpool, count, repeat_share=0.0,
     # counted in the pairs wholly before pool uncounted_from; one met only after it, once
     before = len(pairs) if uncounted_from is None else max(1, min(len(pairs), uncounted_from * kpool - 1))
     wanted, counts = set(zip(question, question[1:])), Counter(pairs[:before])
+    limit = max(MATCH_MAX_COUNT, before // MATCH_SPARSE)
     counts = {pair: max(counts[pair], 1) for pair in pairs}
     hits = {i for i, pair in enumerate(pairs) if pair in wanted}
     own = [0.0] * (len(document) // kpool)
     for i in hits:
-        if counts[pairs[i]] <= MATCH_MAX_COUNT and i // kpool < len(own):
+        if counts[pairs[i]] <= limit and i // kpool < len(own):
             own[i // kpool] += math.log(before / counts[pairs[i]])
     score = [2 * own[p] + (own[p - 1] if p else 0.0) + (own[p + 1] if p + 1 < len(own) else 0.0) for p in range(len(own))]
     chosen, look_alikes, strays, held = [], [], [], []
-    limit = len(own) if uncounted_from is None else uncounted_from
+    counted_before = len(own) if uncounted_from is None else uncounted_from
     for p in sorted(range(len(score)), key=lambda p: -score[p]):
-        if score[p] <= 0 or sum(c < limit for c in chosen) == count:
+        if score[p] <= 0 or sum(c < counted_before for c in chosen) == count:
             break
         if any(abs(p - c) <= 7 for c in chosen):
             continue
         span = range(max(p - 3, 0) * kpool, min(p + 5, len(own)) * kpool)
-        phrase = {pairs[i] for i in span if i in hits and counts[pairs[i]] <= MATCH_MAX_COUNT and
+        phrase = {pairs[i] for i in span if i in hits and counts[pairs[i]] <= limit and
                   (i - 1 in hits or i + 1 in hits)}
         weight = sum(math.log(before / counts[pair]) for pair in phrase)
         if any(phrase <= other and weight < repeat_share * other_weight for other, other_weight in held):
@@ -787,6 +789,32 @@ def test_matching_pools_find_the_questions_rarest_wording():
             for uncounted in (None, n // 8, 0):
                 assert tuple(t.tolist() for t in matching_pools(document, question, 4, 5, share, uncounted)) == \
                     reference_matching_pools(document.tolist(), question.tolist(), 4, 5, share, uncounted)
+
+
+@pytest.mark.parametrize("length", [100_000, 200_000])
+def test_a_frame_repeated_around_many_keys_ties_their_look_alikes_in_a_long_document(length):
+    """40 entries "FRAME KEY_i VALUE_i" (the frame's pairs 40 times) and a question naming key 17 in the frame: up to
+    128K tokens the frame's pairs are too common to count (32 at most), and the other entries are nothing to the
+    match; past it a pair may occur once per 4,096 tokens (48 times in 200K), the frame counts, and every other entry
+    holds only part of the taken one's phrase: a look-alike, passed over."""
+    from indexpool.model.indexpool_cache import matching_pools
+
+    frame, spacing = [50, 51, 52], (length - 4000) // 40
+    document = [1] * length
+    starts = [2000 + i * spacing for i in range(40)]
+    for i, start in enumerate(starts):
+        document[start: start + 7] = frame + [100 + 2 * i, 101 + 2 * i, 53, 200 + i]
+    question = [60] + frame + [134, 135, 61]  # key 17's two tokens
+    found = matching_pools(torch.tensor(document), torch.tensor(question), 4, 4, 0.9)
+    assert tuple(t.tolist() for t in found) == reference_matching_pools(document, question, 4, 4, 0.9)
+    entries = [(start + 3) // 4 for start in starts]  # the pool of each entry's key
+    assert found.places.tolist() == [entries[17]]
+    if length > MATCH_SPARSE * MATCH_MAX_COUNT:  # each other entry's pools (the key's and its neighbours)
+        nearest = [min(entries, key=lambda entry: abs(entry - p)) for p in found.look_alikes.tolist()]
+        assert set(nearest) == set(entries) - {entries[17]}
+        assert all(abs(p - entry) <= 1 for p, entry in zip(found.look_alikes.tolist(), nearest))
+    else:
+        assert found.look_alikes.tolist() == [] and found.strays.tolist() == []
 
 
 def test_matching_pools_pass_over_look_alikes_and_keep_repeats():
