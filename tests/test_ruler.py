@@ -230,6 +230,28 @@ def test_question_variants_read_the_rest_of_the_prompt_once():
         question_variants("window=3")
 
 
+def test_samples_sharing_a_document_read_it_once_and_answer_as_each_alone():
+    """What `--shared-document` rests on: questions asked of one document in turn read the document once, and each
+    answers as a session that reads its prompt alone (a tiny random model; IndexPool past its 64-token context)."""
+    from benchmarks.common import greedy_answer
+    from benchmarks.ruler import Sample, answer_under
+    from indexpool.model.generate import Session
+    from indexpool.model.indexpool_cache import IndexPoolConfig
+    from tests.test_indexpool_cache import SETTINGS, prompts_for, tiny_model
+
+    model = tiny_model(5)
+    settings = IndexPoolConfig(**SETTINGS | dict(query_topk=8, question_pools=1, kv_storage="full"))
+    document = prompts_for(21, [144])[0]
+    questions = prompts_for(22, [6, 9, 7])
+    samples = [Sample("niah_single", 160, "", "", "", "", ["1"], document + question, 144) for question in questions]
+    session = Session(model, 160, attention=settings)
+    answers = [answer_under(session, sample, None, 5, frozenset(), "test") for sample in samples]
+    assert [fed for _, _, fed in answers] == [144 + 6, 9, 7]  # the document once, then each question
+    for sample, (out, _, _) in zip(samples, answers):
+        alone = Session(model, 160, attention=settings)
+        assert out == greedy_answer(alone, sample.prompt, 5, "test")[0]
+
+
 def test_document_words_are_the_entries_or_the_coded_words_and_a_cut_start_is_dropped():
     assert document_words("cwe", "1. apple\n2. pear\n") == ["apple", "pear"]
     assert document_words("cwe", "ar\n12. apple\n3. pear\n", cut=True) == ["apple", "pear"]
