@@ -51,11 +51,11 @@ tokens after it, and so, ahead of them, are the places where the document holds 
 (`question_matches`, `matching_pools`: pairs of consecutive question tokens met at most 32 times in the document,
 or once per 4,096 tokens past 128K, each weighted by its rarity, the recent window's too where it holds what came
 before the question: a place matching only part of a better place's phrase, a look-alike key, is passed over: not
-read, and left out of the window these forwards attend; a place holding no phrase of the question, only pairs met by chance, is not read
-either, but the window keeps it). Matched places, then scored ones, are cut at those forwards' far tokens
-(query_topk), so a place no match finds goes to a scored pool's span, not to 4-token pieces of scattered places
-(frequent-word answers copied garbled words from those); the pools the question scores best after those fill what
-overlapping spans leave, none left to each query's own choice. At 128K the question's scored pools held 2 of a
+read, and left out of the window these forwards attend; a place holding no phrase of the question, only pairs met
+by chance, is not read either, but the window keeps it). Matched places, then scored ones, are cut at those
+forwards' far tokens (query_topk), so a place no match finds goes to a scored pool's span, not to 4-token pieces
+of scattered places (frequent-word answers copied garbled words from those); the pools the question scores best
+after those fill what overlapping spans leave, none left to each query's own choice. At 128K the question's scored pools held 2 of a
 multi-value needle's 4 values, its rarest pairs all 4; and the queries' own choices, beside kept pools that held
 every needle, took the answers off them, where the needles alone were copied (docs/benchmarks.md).
 A question names what it asks for (a needle's key), and the tokens that name it find the key's few occurrences;
