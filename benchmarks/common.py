@@ -48,15 +48,16 @@ def chat_frame(tokenizer) -> tuple[str, str]:
 
 
 def greedy_answer(session, prompt: list[int], max_new_tokens: int, label: str, stop_ids=frozenset(),
-                  progress: bool = False):
-    """`session` reads `prompt` (only what follows the prefix it already holds) and answers greedily: the answer's
-    token ids, its GenerationStats and how many tokens were read. progress: `long_read_progress` lines."""
+                  progress: bool = False, question_from: int | None = None):
+    """`session` reads `prompt` (only what follows the prefix it already holds; its question from `question_from`,
+    `Session.prefill`) and answers greedily: the answer's token ids, its GenerationStats and how many tokens were
+    read. progress: `long_read_progress` lines."""
     from indexpool.model.generate import GenerationStats, Sampler, SamplingParams, common_prefix
 
     stats = GenerationStats()
     reading = long_read_progress(label, len(prompt) - common_prefix(session.tokens, prompt)) if progress else None
     out = list(session.generate(prompt, Sampler(SamplingParams(temperature=0)), max_new_tokens, stop_ids=stop_ids,
-                                stats=stats, on_prefill_progress=reading))
+                                stats=stats, on_prefill_progress=reading, question_from=question_from))
     return out, stats, session.last_fed_tokens
 
 

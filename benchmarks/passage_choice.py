@@ -79,7 +79,7 @@ def main() -> None:
             hits = {label: [0, 0] for label, *_ in SCORERS}
             for q, prompt in zip(doc_set["questions"], prompts):
                 evidence = request_evidence(session.cache, prompt)
-                session.prefill(prompt.ids[: prompt.quote_at], evidence=evidence)
+                session.prefill(prompt.ids[: prompt.quote_at], evidence=evidence, question_from=prompt.doc_end)
                 session.tokens = session.tokens[: session.cache.truncate(prompt.reusable)]
                 lexical = index.lexical.passage_scores(prompt.question)
                 attention = passage_attention(evidence.beyond(baseline), evidence.start - prompt.doc_start, spans)

@@ -493,7 +493,7 @@ def answer_under(session: Session, sample: Sample, settings: IndexPoolConfig | N
         cache.settings = settings
         cache.indexer.read_at(settings.far_distances())
     try:
-        out, stats, fed = greedy_answer(session, prompt, max_new_tokens, label, stop_ids=stop_ids)
+        out, stats, fed = greedy_answer(session, prompt, max_new_tokens, label, stop_ids=stop_ids, question_from=end)
         return out, stats, document_read + fed
     finally:
         if settings is not None:

@@ -422,11 +422,12 @@ def run_request(held: HeldDocument, prompt: DocumentPrompt, sampler, max_new_tok
     t0 = time.perf_counter()
     ids = prompt.ids
     if quotes(prompt, evidence):
-        session.prefill(prompt.ids[: prompt.quote_at], evidence=evidence)
+        session.prefill(prompt.ids[: prompt.quote_at], evidence=evidence, question_from=prompt.doc_end)
         quote = passage_quote(tokenizer, prompt, evidence, held.baseline, session.model)
         ids = with_quote(tokenizer, prompt, quote)
         session.read_shared(ids, evidence)  # `generate` reads the last token
-    tokens = session.generate(ids, sampler, max_new_tokens, tokenizer.stop_ids, stats, evidence=evidence)
+    tokens = session.generate(ids, sampler, max_new_tokens, tokenizer.stop_ids, stats, evidence=evidence,
+                              question_from=prompt.doc_end)
     text = generated_text(tokenizer, tokens, on_text)
     return job_result(held, prompt, text, stats, time.perf_counter() - t0, evidence, quote, with_sources)
 
@@ -503,7 +504,7 @@ def run_batch(held: HeldDocument, prompts: list[DocumentPrompt], sampler, max_ne
     heads = [p.ids[: p.quote_at] if q else p.ids for p, q in zip(prompts, quoting)]
     more = max(p.max_tokens - len(h) for p, h in zip(prompts, heads))
     outputs = session.generate_branches(heads, sampler, max_new_tokens, tokenizer.stop_ids, evidence,
-                                        then_read, more_tokens=more)
+                                        then_read, more_tokens=more, question_from=prompts[0].doc_end)
     return [job_result(held, prompt, generated_text(tokenizer, tokens), stats,
                        stats.prefill_seconds + stats.decode_seconds, found, quote)
             for (tokens, stats), prompt, found, quote in zip(outputs, prompts, evidence, found_quotes)]
@@ -520,7 +521,7 @@ def extract_answer(held: HeldDocument, prompt: DocumentPrompt) -> JobResult | No
     if not quotes(prompt, evidence):
         return None
     t0 = time.perf_counter()
-    session.prefill(prompt.ids[: prompt.quote_at], evidence=evidence)
+    session.prefill(prompt.ids[: prompt.quote_at], evidence=evidence, question_from=prompt.doc_end)
     quote = passage_quote(held.tokenizer, prompt, evidence, held.baseline, session.model)
     session.tokens = session.tokens[: session.cache.truncate(prompt.reusable)]  # the document alone again
     if quote is None:
@@ -548,7 +549,7 @@ def evidence_baseline(session, tokenizer, document: DocumentTokens, prompt: Docu
         baseline.mass.copy_(saved[1]["mass"])
         baseline.queries = int(saved[1]["queries"])
         return baseline
-    session.prefill(probe.ids, evidence=baseline)
+    session.prefill(probe.ids, evidence=baseline, question_from=probe.doc_end)
     # Back to the document alone: a question must be read from the same point whether or not the probe ran (the
     # probe's tail shares some template tokens with it, which would otherwise be kept and not counted as queries).
     session.tokens = session.tokens[: session.cache.truncate(prompt.reusable)]

@@ -173,7 +173,8 @@ class Session:
     @torch.inference_mode()
     def prefill(self, prompt: list[int], on_progress: Callable[[int, int], None] | None = None,
                 query_tail: bool = True, evidence: AttentionEvidence | None = None,
-                on_select: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
+                on_select: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+                question_from: int | None = None) -> torch.Tensor:
         """Make the cache hold exactly `prompt`, reusing the longest common prefix; returns the last logits (1, V).
 
         Tokens are fed in segments, so no T x T score matrix is ever built. With IndexPool the prompt's last
@@ -181,12 +182,14 @@ class Session:
         that for a prompt that is only a document (faster; a question appended later gets it); they are read twice
         when they ask (`IndexPoolCache.asks`: the first read finds the question's pools). IndexPool:
         `evidence` learns where the short forwards look (a question: its first read), `on_select` sees every
-        layer's selection (a question: its second read's)."""
+        layer's selection (a question: its second read's). `question_from`: where the prompt's question begins after
+        its document, when the caller knows (the tokens read twice may begin inside the document's last tokens):
+        a frame repeated around many keys is taken from the question's own words only (`matching_pools`)."""
         with self.reading(evidence, on_select=on_select):
-            return self._prefill(prompt, on_progress, query_tail)
+            return self._prefill(prompt, on_progress, query_tail, question_from)
 
     def _prefill(self, prompt: list[int], on_progress: Callable[[int, int], None] | None,
-                 query_tail: bool) -> torch.Tensor:
+                 query_tail: bool, question_from: int | None = None) -> torch.Tensor:
         if not prompt:
             raise ValueError("the prompt is empty")
         if len(prompt) > self.max_length:
@@ -204,8 +207,8 @@ class Session:
             if e > s:
                 forward = partial(self.model, new[:, s:e], keep + s, self.cache)
                 # A question is read twice: first for its pools (`IndexPoolCache.read_question`).
-                logits = self.cache.read_question(forward, prompt, keep) if asks and s == body and asks(e - s) \
-                    else forward()
+                logits = self.cache.read_question(forward, prompt, keep, question_from) \
+                    if asks and s == body and asks(e - s) else forward()
                 if on_progress:
                     on_progress(e, total)
         self.tokens = list(prompt)
@@ -239,13 +242,15 @@ class Session:
         stats: GenerationStats | None = None,
         on_prefill_progress: Callable[[int, int], None] | None = None,
         evidence: AttentionEvidence | None = None,
+        question_from: int | None = None,
     ) -> Iterator[int]:
         """Yield new token ids one by one. Stop tokens end generation and are neither yielded nor cached.
-        IndexPool: `evidence` learns where the prompt's reading and the new tokens look."""
+        IndexPool: `evidence` learns where the prompt's reading and the new tokens look; `question_from`, where its
+        question begins (`prefill`)."""
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens = len(prompt)
         t0 = time.perf_counter()
-        logits = self.prefill(prompt, on_prefill_progress, evidence=evidence)
+        logits = self.prefill(prompt, on_prefill_progress, evidence=evidence, question_from=question_from)
         token = sampler(logits)
         stats.prefill_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -322,12 +327,13 @@ class Session:
                           stop_ids: frozenset[int] | set[int] = frozenset(),
                           evidence: list[AttentionEvidence | None] | None = None,
                           then_read: Callable[[int], list[int]] | None = None,
-                          more_tokens: int = 0) -> list[tuple[list[int], GenerationStats]]:
+                          more_tokens: int = 0,
+                          question_from: int | None = None) -> list[tuple[list[int], GenerationStats]]:
         """Continue several prompts that start with tokens held (questions on a held document), decoding them as
         one batch (`model/indexpool_branches.py`); see `can_branch`. Each prompt's own tokens are read one prompt
         at a time (each question selects for itself), and then `then_read(b)`'s tokens (at most `more_tokens`:
         what the reading of prompt b found, quoted; read by `read_shared`); then every step feeds all
-        unfinished branches together.
+        unfinished branches together. `question_from`: where every prompt's question begins (`prefill`).
         The session holds the shared tokens again afterwards. Returns each prompt's new tokens and stats (decode
         seconds are the batch's)."""
         if not self.can_branch(prompts, max_new_tokens + more_tokens):
@@ -340,7 +346,7 @@ class Session:
         stats, first_logits = [GenerationStats(prompt_tokens=len(p)) for p in prompts], []
         for b, prompt in enumerate(prompts):
             t0 = time.perf_counter()
-            logits = self.prefill(prompt, evidence=evidence[b])
+            logits = self.prefill(prompt, evidence=evidence[b], question_from=question_from)
             more = then_read(b) if then_read else []
             if len(more) > more_tokens:
                 raise ValueError(f"then_read gave {len(more)} tokens, more than more_tokens ({more_tokens})")

@@ -52,12 +52,15 @@ tokens after it, and so, ahead of them, are the places where the document holds 
 or once per 4,096 tokens past 128K, each weighted by its rarity, the recent window's too where it holds what came
 before the question: a place matching only part of a better place's phrase, a look-alike key, is passed over: not
 read, and left out of the window these forwards attend; a place holding no phrase of the question, only pairs met
-by chance, is not read either, but the window keeps it). Matched places, then scored ones, are cut at those
-forwards' far tokens (query_topk), so a place no match finds goes to a scored pool's span, not to 4-token pieces
-of scattered places (frequent-word answers copied garbled words from those); the pools the question scores best
-after those fill what overlapping spans leave, none left to each query's own choice. At 128K the question's scored pools held 2 of a
-multi-value needle's 4 values, its rarest pairs all 4; and the queries' own choices, beside kept pools that held
-every needle, took the answers off them, where the needles alone were copied (docs/benchmarks.md).
+by chance, is not read either, but the window keeps it; nor is another entry of a template around a taken place,
+a frame of the question's own words too common to rank places with the same tokens around it, where the caller
+says where its question begins, `Session.prefill(question_from=...)`). Matched places, then scored ones, are cut
+at those forwards' far tokens (query_topk), so a place no match finds goes to a scored pool's span, not to 4-token
+pieces of scattered places (frequent-word answers copied garbled words from those); the pools the question scores
+best after those fill what overlapping spans leave, none left to each query's own choice. At 128K the question's
+scored pools held 2 of a multi-value needle's 4 values, its rarest pairs all 4; and the queries' own choices,
+beside kept pools that held every needle, took the answers off them, where the needles alone were copied
+(docs/benchmarks.md).
 A question names what it asks for (a needle's key), and the tokens that name it find the key's few occurrences;
 the query that must write the answer matches the needle's form ("the number is:"), not its key, and ranks the
 key's pool far lower (RULER-style niah_single at 32K, the default model, 10 samples: the answer's
@@ -101,6 +104,9 @@ QUESTION_SPAN = range(-3, 5)
 # reference's entries, a suite's needles) stays part of what ties a key's look-alikes to the place asked for.
 MATCH_MAX_COUNT = 32
 MATCH_SPARSE = 4096
+# Tokens around a frame too common to rank places that its other places must share with a taken place's, for
+# those to be another key's entries of one template (`_frame_look_alikes`).
+FRAME_TEMPLATE = 3
 TOKEN_PAIR_BASE = 1 << 32  # a pair of token ids as one int64: first * base + second
 INDEX_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8_DTYPE}
 KV_STORAGE = ("auto", "bf16", "int8", "full")
@@ -193,6 +199,7 @@ class Matches(NamedTuple):
     places: torch.Tensor  # pools, best first
     look_alikes: torch.Tensor  # pools passed over holding part of a taken place's phrases, in the order met
     strays: torch.Tensor  # pools passed over holding question pairs on their own only (met by chance), likewise
+    framed: torch.Tensor  # pools passed over holding another entry of a taken place's template (`_frame_look_alikes`)
 
 
 def common_pair_count(pairs: int) -> int:
@@ -202,7 +209,8 @@ def common_pair_count(pairs: int) -> int:
 
 
 def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, count: int,
-                   repeat_share: float = 0.0, uncounted_from: int | None = None) -> Matches:
+                   repeat_share: float = 0.0, uncounted_from: int | None = None,
+                   frame_from: int | None = None) -> Matches:
     """Where `document` (token ids, starting at a pool boundary) holds the question's rarest wording: the pools
     (indices into document's complete pools, best first, no two within a QUESTION_SPAN of each other) holding pairs
     of consecutive question tokens, until `count` of them lie before pool `uncounted_from` (those from there, the
@@ -213,24 +221,28 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
     pairs, three tokens or more) only pairs that a place taken before holds too, weighing (each pair once) less
     than `repeat_share` of that place's: a look-alike, a distractor sharing part of the asked key's wording; or a
     stray, holding no phrase at all (its pairs met by chance). An exact repeat is kept, and a pair on its own beside
-    a phrase (two words of the question met by chance) tells the two apart no more."""
+    a phrase (two words of the question met by chance) tells the two apart no more.
+    A phrase of the question's own words (question[frame_from:]; None: none) too common to rank places, a frame
+    repeated around many keys (a table's rows, a suite's needles), still ties to a taken place the places holding
+    only it (`_frame_look_alikes`), listed apart: `framed`. (Not a question's first tokens, which may be the
+    document's last: a section break there would make every section's start one.)"""
     n_pools = len(document) // kpool
     if count <= 0 or n_pools == 0 or len(question) < 2:
         none = torch.empty(0, dtype=torch.long, device=document.device)
-        return Matches(none, none, none)
+        return Matches(none, none, none, none)
     pairs = document[:-1] * TOKEN_PAIR_BASE + document[1:]
     wanted = torch.unique(question[:-1] * TOKEN_PAIR_BASE + question[1:])
-    at = torch.isin(pairs, wanted).nonzero().flatten()
-    distinct, which = torch.unique(pairs[at], return_inverse=True)
+    every_at = torch.isin(pairs, wanted).nonzero().flatten()
+    distinct, every_which = torch.unique(pairs[every_at], return_inverse=True)
     # Pairs are counted where the places that count lie (a window's few tokens would tip pairs of the far document
     # over MATCH_MAX_COUNT); a pair met only in the window counts once.
     before = len(pairs) if uncounted_from is None else max(1, min(len(pairs), uncounted_from * kpool - 1))
-    counts = torch.bincount(which[at < before], minlength=len(distinct)).clamp_min(1)
-    rare = counts[which] <= common_pair_count(before)
+    counts = torch.bincount(every_which[every_at < before], minlength=len(distinct)).clamp_min(1)
+    rare = counts[every_which] <= common_pair_count(before)
     pair_weights = torch.log(before / counts.double())  # of each distinct pair
     # A pair next to another of the question's: part of a phrase of three tokens or more that it holds.
-    phrased = torch.isin(at - 1, at) | torch.isin(at + 1, at)
-    at, which, phrased = at[rare], which[rare], phrased[rare]
+    every_phrased = torch.isin(every_at - 1, every_at) | torch.isin(every_at + 1, every_at)
+    at, which, phrased = every_at[rare], every_which[rare], every_phrased[rare]
     own = torch.zeros(n_pools + 1, dtype=torch.float64, device=document.device)
     own.index_add_(0, at // kpool, pair_weights[which])  # a pair starting in the last, incomplete pool: spare slot
     own = own[:n_pools]
@@ -242,17 +254,25 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
     counted = 0
     look_alikes: list[int] = []
     strays: list[int] = []
+    framed: list[int] = []
     held: list[tuple[set[int], float]] = []  # each chosen place's distinct phrased pairs, and their weight
     weights = pair_weights.tolist()
     reach = len(QUESTION_SPAN) - 1  # two chosen pools further apart than this keep spans that do not overlap
-    for pool in candidates[score[candidates].argsort(descending=True, stable=True)].tolist():
-        if any(abs(pool - other) <= reach for other in chosen):
-            continue
+
+    def phrase(pool: int) -> tuple[set[int], float]:  # the distinct counted pairs its span holds in phrases
         lo = int(torch.searchsorted(at, max(pool + QUESTION_SPAN.start, 0) * kpool))
         hi = int(torch.searchsorted(at, min(pool + QUESTION_SPAN.stop, n_pools) * kpool))
         ids = set(which[lo:hi][phrased[lo:hi]].tolist())
-        weight = sum(weights[i] for i in ids)
-        if any(ids <= other and weight < repeat_share * other_weight for other, other_weight in held):
+        return ids, sum(weights[i] for i in ids)
+
+    def looks_like(ids: set[int], weight: float, taken: tuple[set[int], float]) -> bool:
+        return ids <= taken[0] and weight < repeat_share * taken[1]
+
+    for pool in candidates[score[candidates].argsort(descending=True, stable=True)].tolist():
+        if any(abs(pool - other) <= reach for other in chosen):
+            continue
+        ids, weight = phrase(pool)
+        if any(looks_like(ids, weight, other) for other in held):
             (look_alikes if ids else strays).append(pool)
             continue
         chosen.append(pool)
@@ -260,8 +280,58 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
         counted += uncounted_from is None or pool < uncounted_from
         if counted == count:
             break
+    if frame_from is not None:
+        words = question[frame_from:]
+        frame = every_phrased & ~rare & torch.isin(pairs[every_at], words[:-1] * TOKEN_PAIR_BASE + words[1:])
+        listed = set(look_alikes) | set(strays)
+        for pool, taken in _frame_look_alikes(document, every_at, frame, chosen, held, kpool, n_pools):
+            if pool not in listed and all(abs(pool - other) > reach for other in chosen) and \
+                    looks_like(*phrase(pool), taken):
+                framed.append(pool)
+                listed.add(pool)
     return Matches(*(torch.tensor(pools, dtype=torch.long, device=document.device)
-                     for pools in (chosen, look_alikes, strays)))
+                     for pools in (chosen, look_alikes, strays, framed)))
+
+
+def _frame_look_alikes(document: torch.Tensor, at: torch.Tensor, frame: torch.Tensor, chosen: list[int],
+                       held: list[tuple[set[int], float]], kpool: int, n_pools: int):
+    """For `matching_pools`: (pool, the taken place's held phrase) for each other place of a frame that a taken
+    place's span holds: a run of frame occurrences (`frame`: among `at`, the question's pairs' ascending positions,
+    those phrased and too common to rank places) repeated with the same tokens, inside a template of the
+    document's: at least FRAME_TEMPLATE tokens around it (before and after, as far as they run on alike) the
+    same as around the taken place's. Placed where the taken place lies relative to its frame (a template repeated
+    around many keys puts each key at the same offset from it). In turn for each taken place and each of its
+    frames, in the document's order. A word met around the document (a library's name in its manual, 'UTF-8')
+    is a frame by count, but the tokens around it run on differently from one place to the next."""
+    spots = at[frame]
+    if not len(spots) or not chosen:
+        return
+    starts = torch.ones(len(spots), dtype=torch.bool, device=at.device)
+    starts[1:] = spots[1:] != spots[:-1] + 1
+    ends = torch.ones_like(starts)
+    ends[:-1] = starts[1:]
+    first, last = spots[starts], spots[ends]  # each frame's first and last pair
+    reach = FRAME_TEMPLATE
+    padded = F.pad(document, (reach, reach), value=-1)  # not a token: never alike
+
+    def around(position: torch.Tensor, tokens: int) -> torch.Tensor:  # each frame's tokens and `reach` either side
+        return padded[position[:, None] + torch.arange(tokens + 2 * reach, device=at.device)]
+
+    for place, taken in zip(chosen, held):
+        lo = max(place + QUESTION_SPAN.start, 0) * kpool
+        hi = min(place + QUESTION_SPAN.stop, n_pools) * kpool
+        for mine in ((first >= lo) & (first < hi)).nonzero().flatten().tolist():
+            tokens = int(last[mine] - first[mine]) + 2
+            alike = (last - first == last[mine] - first[mine]).nonzero().flatten()
+            alike = alike[alike != mine]
+            theirs = around(first[alike], tokens)
+            equal = (theirs == around(first[mine: mine + 1], tokens)) & (theirs >= 0)
+            core = equal[:, reach: reach + tokens].all(1)
+            before = equal[:, :reach].flip(1).cumprod(1).sum(1)
+            after = equal[:, reach + tokens:].cumprod(1).sum(1)
+            offset = place - int(first[mine]) // kpool
+            for start in first[alike[core & (before + after >= FRAME_TEMPLATE)]].tolist():
+                yield min(max(start // kpool + offset, 0), n_pools - 1), taken
 
 
 def keep_question_pools(scores: torch.Tensor, pools: torch.Tensor) -> torch.Tensor:
@@ -636,12 +706,14 @@ class IndexPoolCache:
             not rereads and self._reading_plan(self._window_start(self.length), length)[-1]
 
     def read_question(self, forward: Callable[[], torch.Tensor], tokens: Sequence[int] | None = None,
-                      held: int = 0) -> torch.Tensor:
+                      held: int = 0, question_from: int | None = None) -> torch.Tensor:
         """Read a question (see `asks`) twice; `forward()` runs the model over its tokens and returns the logits;
         `tokens`, the prompt's ids (those held, then the question's), adds the pools holding the question's rarest
         wording (`matching_pools`) ahead of those its queries score best. `held`: how many of them the cache held
         before the call that reads the question (the document, as far as the cache can tell: the recent window's
         places are matched up to there, not among the tokens read with the question, its own words among them).
+        `question_from`: where in `tokens` the question's own words begin, when the caller knows (a frame is taken
+        from them only, `matching_pools`).
 
         The first read finds the question's pools and takes the evidence: where the question looks of itself (in
         the second read every token's selection holds the kept pools, which would draw its attention to them
@@ -667,9 +739,10 @@ class IndexPoolCache:
                 document_end = max((first + n) * s.kpool, min(start, held))
                 document = torch.tensor(tokens[first * s.kpool: document_end])
                 question = torch.tensor(tokens[start:end])
-                matched, look_alikes, strays = (m.to(order.device) for m in
-                                                matching_pools(document, question, s.kpool, s.question_matches,
-                                                               s.match_repeat_share, uncounted_from=n))
+                frame_from = None if question_from is None else min(max(question_from - start, 0), end - start)
+                found = matching_pools(document, question, s.kpool, s.question_matches, s.match_repeat_share,
+                                       uncounted_from=n, frame_from=frame_from)
+                matched, look_alikes, strays, framed = (m.to(order.device) for m in found)
                 n_held = len(document) // s.kpool
                 kept = question_pools(matched, n_held)
 
@@ -680,8 +753,10 @@ class IndexPoolCache:
                 # A passed-over place's span is not read, though the question scores it (a look-alike's words do).
                 # In the recent window a look-alike's span is not attended either (its value is the answer's
                 # likeliest wrong copy), but a stray's is: the window is what the answer reads on from, and a pair
-                # met by chance there names no wrong answer.
-                shunned = unread(torch.cat([look_alikes, strays]))
+                # met by chance there names no wrong answer; nor is another entry of a taken place's template: in
+                # real documents a template is often the document's own recurring wording near the answer (the
+                # lines naming dns.lookup() in its manual, docs/benchmarks.md).
+                shunned = unread(torch.cat([look_alikes, strays, framed]))
                 shunned = shunned[shunned < n]
                 hidden = unread(look_alikes)
                 hidden = hidden[hidden >= n]

@@ -17,8 +17,9 @@ import torch
 from indexpool.model.generate import Session
 from indexpool.model.indexers import TrainingFreeIndexer
 from indexpool.model.indexpool import PooledIndexCache, indexer_source_layers, layer_schedule, per_token_index_bytes, pool_keys
-from indexpool.model.indexpool_cache import (INDEX_DTYPES, MATCH_MAX_COUNT, MATCH_SPARSE, IndexPoolCache, IndexPoolConfig,
-                                             place_far_tokens)
+from indexpool.model import indexpool_cache
+from indexpool.model.indexpool_cache import (FRAME_TEMPLATE, INDEX_DTYPES, MATCH_MAX_COUNT, MATCH_SPARSE, IndexPoolCache,
+                                             IndexPoolConfig, place_far_tokens)
 from indexpool.model.lightning_indexer import LightningIndexer, LightningIndexerConfig, ModelFingerprint
 from indexpool.kernels.rope import apply_rope, rope_at
 from indexpool.kernels.cpu_attention import native_attention_takes
@@ -39,7 +40,8 @@ def tiny_model(seed: int = 0, config: LlamaConfig = CONFIG) -> Transformer:
     return model
 
 
-def reference_matching_pools(document, question, kpool, count, repeat_share=0.0, uncounted_from=None):
+def reference_matching_pools(document, question, kpool, count, repeat_share=0.0, uncounted_from=None,
+                             frame_from=None):
     """`matching_pools`, one pair at a time: each occurrence in the document of a pair of consecutive question
     tokens met at most MATCH_MAX_COUNT times there (once per MATCH_SPARSE pairs where more) adds log(pairs / its
     count) to its pool; pools rank by twice that
@@ -47,12 +49,16 @@ def reference_matching_pools(document, question, kpool, count, repeat_share=0.0,
     one whose span (3 pools before, 4 after) holds in phrases (question pairs next to another) only pairs of a place
     taken, weighing less than repeat_share of that place's (passed over, and listed: a look-alike, or a stray when
     it holds no phrase); until `count` are taken before pool uncounted_from (all of them counting when it is
-    None)."""
+    None). Then, with frame_from, for each taken place and each run of consecutive pairs of question[frame_from:]
+    met more often than that (and next to another question pair) starting in its span: each other such run of the
+    same tokens, with FRAME_TEMPLATE tokens before and after them (together) the same as around the first, gives
+    the pool where the taken place lies relative to its run's first pair, listed (framed) when it is none listed,
+    lies more than 7 pools from every place taken, and its span passes the look-alike test against that place."""
     pairs = list(zip(document, document[1:]))
     # counted in the pairs wholly before pool uncounted_from; one met only after it, once
     before = len(pairs) if uncounted_from is None else max(1, min(len(pairs), uncounted_from * kpool - 1))
     wanted, counts = set(zip(question, question[1:])), Counter(pairs[:before])
-    limit = max(MATCH_MAX_COUNT, before // MATCH_SPARSE)
+    limit = max(indexpool_cache.MATCH_MAX_COUNT, before // MATCH_SPARSE)
     counts = {pair: max(counts[pair], 1) for pair in pairs}
     hits = {i for i, pair in enumerate(pairs) if pair in wanted}
     own = [0.0] * (len(document) // kpool)
@@ -60,23 +66,62 @@ def reference_matching_pools(document, question, kpool, count, repeat_share=0.0,
         if counts[pairs[i]] <= limit and i // kpool < len(own):
             own[i // kpool] += math.log(before / counts[pairs[i]])
     score = [2 * own[p] + (own[p - 1] if p else 0.0) + (own[p + 1] if p + 1 < len(own) else 0.0) for p in range(len(own))]
-    chosen, look_alikes, strays, held = [], [], [], []
+    chosen, look_alikes, strays, framed, held = [], [], [], [], []
     counted_before = len(own) if uncounted_from is None else uncounted_from
+
+    def span_phrase(p):
+        span = range(max(p - 3, 0) * kpool, min(p + 5, len(own)) * kpool)
+        phrase = {pairs[i] for i in span if i in hits and counts[pairs[i]] <= limit and
+                  (i - 1 in hits or i + 1 in hits)}
+        return phrase, sum(math.log(before / counts[pair]) for pair in phrase)
+
     for p in sorted(range(len(score)), key=lambda p: -score[p]):
         if score[p] <= 0 or sum(c < counted_before for c in chosen) == count:
             break
         if any(abs(p - c) <= 7 for c in chosen):
             continue
-        span = range(max(p - 3, 0) * kpool, min(p + 5, len(own)) * kpool)
-        phrase = {pairs[i] for i in span if i in hits and counts[pairs[i]] <= limit and
-                  (i - 1 in hits or i + 1 in hits)}
-        weight = sum(math.log(before / counts[pair]) for pair in phrase)
+        phrase, weight = span_phrase(p)
         if any(phrase <= other and weight < repeat_share * other_weight for other, other_weight in held):
             (look_alikes if phrase else strays).append(p)
             continue
         chosen.append(p)
         held.append((phrase, weight))
-    return chosen, look_alikes, strays
+    if frame_from is not None and own:
+        words = set(zip(question[frame_from:], question[frame_from + 1:]))
+        frame = sorted(i for i in hits if counts[pairs[i]] > limit and pairs[i] in words and
+                       (i - 1 in hits or i + 1 in hits))
+        runs = []  # runs of consecutive frame pairs: (first pair, last pair)
+        for i in frame:
+            if runs and runs[-1][1] == i - 1:
+                runs[-1][1] = i
+            else:
+                runs.append([i, i])
+
+        def alike_around(a, b, step):  # how many tokens on from a and b, stepping by step, are the same
+            n = 0
+            while n < FRAME_TEMPLATE:
+                i, j = a + step * (n + 1), b + step * (n + 1)
+                if not (0 <= i < len(document) and 0 <= j < len(document) and document[i] == document[j]):
+                    break
+                n += 1
+            return n
+
+        listed = set(look_alikes) | set(strays)
+        for place, (other, other_weight) in zip(chosen, held):
+            for fa, fb in runs:
+                if not max(place - 3, 0) * kpool <= fa < min(place + 5, len(own)) * kpool:
+                    continue
+                for ca, cb in runs:
+                    if (ca, cb) == (fa, fb) or document[ca: cb + 2] != document[fa: fb + 2] or \
+                            alike_around(fa, ca, -1) + alike_around(fb + 1, cb + 1, 1) < FRAME_TEMPLATE:
+                        continue
+                    p = min(max(ca // kpool + place - fa // kpool, 0), len(own) - 1)
+                    phrase, weight = span_phrase(p)
+                    if p not in listed and all(abs(p - c) > 7 for c in chosen) and phrase <= other and \
+                            weight < repeat_share * other_weight:
+                        framed.append(p)
+                        listed.add(p)
+    return chosen, look_alikes, strays, framed
 
 
 class ReferenceCache:
@@ -119,7 +164,7 @@ class ReferenceCache:
         return (s.question_pools or s.question_matches) > 0 and 2 <= length <= s.query_tokens and self.length % s.kpool == 0 and \
             ws - min(s.sinks, ws) > s.topk and min(s.query_topk, s.topk) > 0 and not inside
 
-    def read_question(self, forward, tokens=None, held=0):
+    def read_question(self, forward, tokens=None, held=0, question_from=None):
         start, self.scouting_question, self.scouted = self.length, True, None
         forward()
         end, self.scouting_question = self.length, False
@@ -131,16 +176,18 @@ class ReferenceCache:
             # Matched up to the question: its window's places too, those held before the question's call, which do
             # not count (they are read whole).
             document = tokens[first * s.kpool: max((first + P) * s.kpool, min(start, held))] if tokens else []
-            matched, look_alikes, strays = ([], [], []) if tokens is None else \
-                reference_matching_pools(document, tokens[start:end], s.kpool,
-                                         s.question_matches, s.match_repeat_share, uncounted_from=P)
+            matched, look_alikes, strays, framed = ([], [], [], []) if tokens is None else \
+                reference_matching_pools(document, tokens[start:end], s.kpool, s.question_matches,
+                                         s.match_repeat_share, uncounted_from=P,
+                                         frame_from=None if question_from is None else
+                                         min(max(question_from - start, 0), end - start))
 
             def spans(places, n):  # each place with 3 pools before and 4 after, clamped, once each, in order
                 return list(dict.fromkeys(min(max(p + d, 0), n - 1) for p in places for d in range(-3, 5)))
 
             n_held = len(document) // s.kpool
             taken = set(spans(matched, n_held))
-            shunned = set(spans(look_alikes + strays, n_held)) - taken  # passed-over places' spans are not read
+            shunned = set(spans(look_alikes + strays + framed, n_held)) - taken  # passed-over places' spans: not read
             # nor, a look-alike's, attended in the window
             self.hidden = {(p + first) * s.kpool + i for p in set(spans(look_alikes, n_held)) - taken if p >= P
                            for i in range(s.kpool)}
@@ -253,16 +300,18 @@ class ReferenceCache:
         return torch.stack(out)[None].to(qk.dtype)
 
 
-def run_session(model, settings, prompts, new_tokens=6, reference=False, segment_indexer=None, **cache_options):
-    """Logits of every prefill and decode step over a sequence of prompts in one session. The history is kept in
-    the model's fp32 unless asked otherwise: the reference keeps it exactly."""
+def run_session(model, settings, prompts, new_tokens=6, reference=False, segment_indexer=None, question_from=None,
+                **cache_options):
+    """Logits of every prefill and decode step over a sequence of prompts in one session (each prompt's question
+    from `question_from`, `Session.prefill`). The history is kept in the model's fp32 unless asked otherwise: the
+    reference keeps it exactly."""
     config = IndexPoolConfig(**settings, **{"kv_storage": "full"} | cache_options)
     session = Session(model, 256, attention=config, segment_indexer=segment_indexer)
     if reference:
         session.cache = ReferenceCache(CONFIG, config, session.cache.indexer, 256, segment_indexer)
     logits = []
     for prompt in prompts:
-        logits.append(session.prefill(prompt))
+        logits.append(session.prefill(prompt, question_from=question_from))
         tokens = list(prompt)
         for _ in range(new_tokens):
             tokens.append(int(logits[-1].argmax()))
@@ -774,12 +823,12 @@ def test_matching_pools_find_the_questions_rarest_wording():
     document[170:172] = [9, 10]
     question = [3, 5, 6, 7, 8, 2, 9, 10]
     pools = matching_pools(torch.tensor(document), torch.tensor(question), 4, 8).places.tolist()
-    assert (pools, [], []) == reference_matching_pools(document, question, 4, 8)
+    assert (pools, [], [], []) == reference_matching_pools(document, question, 4, 8)
     assert pools == [30, 20, 40]  # the rarest pair's pool (120 // 4), then 80's and 160's, not 170's
     assert matching_pools(torch.tensor(document), torch.tensor(question), 4, 1).places.tolist() == [30]
     for none in (matching_pools(torch.tensor(document), torch.tensor([2, 3, 4]), 4, 8),  # nothing shared
                  matching_pools(torch.tensor(document[:3]), torch.tensor(question), 4, 8)):  # no whole pool
-        assert none.places.tolist() == none.look_alikes.tolist() == none.strays.tolist() == []
+        assert none.places.tolist() == none.look_alikes.tolist() == none.strays.tolist() == none.framed.tolist() == []
     # Random ids, awkward lengths: the same pools as the reference, one pair at a time.
     generator = torch.Generator().manual_seed(0)
     for n in (5, 63, 401, 1203):
@@ -817,6 +866,78 @@ def test_a_frame_repeated_around_many_keys_ties_their_look_alikes_in_a_long_docu
         assert found.look_alikes.tolist() == [] and found.strays.tolist() == []
 
 
+def frame_entries(length, n_entries, separator_every=0):
+    """A document of `length` tokens holding n_entries entries "FRAME KEY_i VALUE_i" (the frame 3 tokens, 50-52;
+    the key 2), evenly spaced, entry i's key at 100 + 2i; and, every separator_every tokens from 500 on, a section
+    break (70, 71, 72), one of them just after entry 17 (inside its span). Returns the document and each entry's
+    start."""
+    document = [1] * length
+    spacing = (length - 4000) // n_entries
+    starts = [2000 + i * spacing for i in range(n_entries)]
+    if separator_every:
+        for at in range(500, length - 500, separator_every):
+            document[at: at + 3] = [70, 71, 72]
+        document[starts[17] + 8: starts[17] + 11] = [70, 71, 72]
+    for i, start in enumerate(starts):
+        document[start: start + 7] = [50, 51, 52, 100 + 2 * i, 101 + 2 * i, 53, 200 + i]
+    return document, starts
+
+
+def test_a_frame_of_the_questions_own_words_ties_look_alikes_at_any_length():
+    """40 entries "FRAME KEY VALUE" in 20K tokens (the frame's pairs too common to rank places) and a question
+    naming key 17 in the frame, read with the document's last tokens, a section break met everywhere (and beside
+    entry 17) before it: where the question's own words begin (frame_from), a frame of them ties every other entry
+    to the taken one, each listed where its key lies (the taken place's offset from its frame); the break, not
+    the question's wording, ties nothing. From the first token read (frame_from 0) the break would make every
+    section's start a look-alike; with no frame_from, none is taken."""
+    from indexpool.model.indexpool_cache import matching_pools
+
+    document, starts = frame_entries(20_000, 40, separator_every=300)
+    question = [70, 71, 72] + [60, 50, 51, 52, 134, 135, 61]  # the document's last tokens, then key 17's question
+    entries = [(start + 3) // 4 for start in starts]  # the pool of each entry's key
+    found = {}
+    for frame_from in (None, 0, 3):
+        found[frame_from] = matching_pools(torch.tensor(document), torch.tensor(question), 4, 4, 0.9,
+                                           frame_from=frame_from)
+        assert tuple(t.tolist() for t in found[frame_from]) == \
+            reference_matching_pools(document, question, 4, 4, 0.9, frame_from=frame_from)
+        assert found[frame_from].places.tolist() == [entries[17]]
+    assert all(found[f].look_alikes.tolist() == [] for f in found) and found[None].framed.tolist() == []
+    assert found[3].framed.tolist() == entries[:17] + entries[18:]
+    breaks = set(found[0].framed.tolist()) - set(entries)
+    assert len(breaks) > 40 and all(document[p * 4 - 16: p * 4 + 16].count(70) for p in breaks)
+
+
+def test_frame_look_alikes_match_the_reference_on_random_ids(monkeypatch):
+    """Random ids with entries of one template ("A B C D E F KEY") and bare frames ("B C D" alone) put in at random,
+    awkward lengths, the frame count lowered so that the frame passes it: the same places as the reference, one
+    pair at a time, from every place the question's own words may begin; only the template's entries are framed."""
+    from indexpool.model.indexpool_cache import matching_pools
+
+    monkeypatch.setattr(indexpool_cache, "MATCH_MAX_COUNT", 3)
+    generator = torch.Generator().manual_seed(1)
+    framed = 0
+    for n in (83, 401, 1203, 2001):
+        document = torch.randint(0, 12, (n,), generator=generator)
+        picks = torch.randperm(n // 40, generator=generator)[:8] * 40
+        keys = torch.randint(40, 60, (len(picks), 3), generator=generator)
+        for i, at in enumerate(picks.tolist()):
+            entry = [19, 20, 21, 22, 23, 24] + keys[i].tolist() if i % 3 else [21, 22, 23]
+            document[at: at + len(entry)] = torch.tensor(entry[: n - at])
+        question = torch.tensor([5, 21, 22, 23] + keys[1].tolist() + [7, 3])
+        for frame_from in (None, 0, 4, 8):
+            for uncounted in (None, n // 8):
+                found = matching_pools(document, question, 4, 5, 0.9, uncounted, frame_from)
+                assert tuple(t.tolist() for t in found) == reference_matching_pools(
+                    document.tolist(), question.tolist(), 4, 5, 0.9, uncounted, frame_from)
+                framed += len(found.framed)
+                assert (frame_from is None or frame_from >= 4) <= (len(found.framed) == 0)
+                entries = [at // 4 for i, at in enumerate(picks.tolist()) if i % 3]
+                # each framed place within 2 pools of an entry's start (its key's pool, the taken place's offset)
+                assert all(min(abs(p - entry) for entry in entries) <= 2 for p in found.framed.tolist())
+    assert framed > 0  # some frames were met
+
+
 def test_matching_pools_pass_over_look_alikes_and_keep_repeats():
     """The asked phrase twice, a look-alike sharing its first three tokens, and two of its words met by chance: with
     a repeat share, the look-alike and the chance pair (a stray) are passed over, the repeat kept."""
@@ -828,7 +949,7 @@ def test_matching_pools_pass_over_look_alikes_and_keep_repeats():
     document[120:124] = [20, 21, 22, 9]  # pool 30: a part of the phrase, then another word
     document[300:302] = [23, 24]  # pool 75: a pair on its own
     # (the look-alikes' neighbours, which their scores rank next, are met and passed over too)
-    for share, expected in ((0.0, ([10, 50, 30, 75], [], [])), (0.9, ([10, 50], [30, 29, 31], [75, 74, 76]))):
+    for share, expected in ((0.0, ([10, 50, 30, 75], [], [], [])), (0.9, ([10, 50], [30, 29, 31], [75, 74, 76], []))):
         found = tuple(t.tolist() for t in matching_pools(torch.tensor(document), torch.tensor(question), 4, 8, share))
         assert found == expected == reference_matching_pools(document, question, 4, 8, share)
     # Places from pool uncounted_from on (a recent window) do not count: with none counted, every place is met.
@@ -950,6 +1071,57 @@ def test_a_look_alike_in_the_recent_window_is_not_attended():
     assert hidden_after(224, stray) is None
     torch.testing.assert_close(run_session(model, settings, [stray[:224], stray]),
                                run_session(model, settings, [stray[:224], stray], reference=True), atol=2e-4, rtol=0)
+
+
+def test_places_holding_only_a_frame_are_not_read_but_the_window_keeps_them(monkeypatch):
+    """Five entries of one template "87 88 89 FRAME KEY VALUE" (the frame's pairs over the count that ranks places), and
+    a question naming
+    the first entry's key in the frame, after its document: told where the question begins, the session takes the
+    frame from its words, and the other entries' spans are kept out of the question's far tokens; not told, its far
+    tokens take them. An entry inside the recent
+    window is attended either way, and the logits are the reference's."""
+    from indexpool.model.indexpool_cache import question_pools
+
+    monkeypatch.setattr(indexpool_cache, "MATCH_MAX_COUNT", 2)
+    frame = [90, 91, 92]
+
+    def with_entries(prompt, starts, question_at):  # each entry "87 88 89 FRAME KEY VALUE" from start - 3
+        prompt = list(prompt)
+        for i, start in enumerate(starts):
+            prompt[start - 3: start + 6] = [87, 88, 89] + frame + [80 + 2 * i, 81 + 2 * i, 70 + i]
+        prompt[question_at: question_at + 10] = [3] + frame + [80, 81] + [5, 6, 7, 8]  # the question's own words
+        return prompt
+
+    config = replace(CONFIG, context_length=512)
+    model = tiny_model(4, config)
+    settings = IndexPoolConfig(**SETTINGS | dict(topk=200, query_topk=200, query_tokens=12, question_matches=2,
+                                                 segment_candidates=64, kv_storage="full"))
+    starts = (100, 140, 180, 220, 250)
+    prompt = with_entries(prompts_for(8, [300])[0], starts, 290)  # read twice from 288
+
+    def kept_pools(question_from):  # the document held, then the prompt read
+        session = Session(model, 400, attention=settings)
+        session.prefill(prompt[:290], query_tail=False)
+        session.prefill(prompt, question_from=question_from)
+        first = settings.sinks // settings.kpool
+        return set((session.cache.question_pools - first).tolist()), session.cache._window_start(288) // 4 - first
+
+    kept, n_pools = kept_pools(290)
+    # Each entry's span about its frame's pool (the asked one's place there), the document starting at pool 1.
+    others = set(question_pools(torch.tensor([start // 4 - 1 for start in starts[1:]]), n_pools).tolist())
+    asked = set(question_pools(torch.tensor([starts[0] // 4 - 1]), n_pools).tolist())
+    assert asked <= kept and not kept & (others - asked)
+    assert len(kept_pools(None)[0] & (others - asked)) > 10
+    # Small settings, an entry in the recent window (from 196): attended, as by the reference.
+    small = SETTINGS | dict(window=32, query_tokens=12)
+    prompt = with_entries(prompts_for(8, [240])[0], (60, 100, 140, 200), 230)
+    session = Session(tiny_model(4), 256, attention=IndexPoolConfig(**small, kv_storage="full"))
+    session.prefill(prompt[:230], query_tail=False)
+    session.prefill(prompt, question_from=230)
+    assert session.cache.question_hidden is None
+    torch.testing.assert_close(run_session(tiny_model(4), small, [prompt[:230], prompt], question_from=230),
+                               run_session(tiny_model(4), small, [prompt[:230], prompt], question_from=230,
+                                           reference=True), atol=2e-4, rtol=0)
 
 
 def test_a_question_is_read_twice_and_its_answer_keeps_its_pools():
