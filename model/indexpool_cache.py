@@ -751,14 +751,13 @@ class IndexPoolCache:
                     return spans[~torch.isin(spans, kept)]
 
                 # A passed-over place's span is not read, though the question scores it (a look-alike's words do).
-                # In the recent window a look-alike's span is not attended either (its value is the answer's
-                # likeliest wrong copy), but a stray's is: the window is what the answer reads on from, and a pair
-                # met by chance there names no wrong answer; nor is another entry of a taken place's template: in
-                # real documents a template is often the document's own recurring wording near the answer (the
-                # lines naming dns.lookup() in its manual, docs/benchmarks.md).
+                # In the recent window a look-alike's span, or another entry's of a taken place's template, is not
+                # attended either (its value is the answer's likeliest wrong copy: at 128K, 200 needles in one
+                # document, answers copied the window's), but a stray's is: the window is what the answer reads on
+                # from, and a pair met by chance there names no wrong answer.
                 shunned = unread(torch.cat([look_alikes, strays, framed]))
                 shunned = shunned[shunned < n]
-                hidden = unread(look_alikes)
+                hidden = unread(torch.cat([look_alikes, framed]))
                 hidden = hidden[hidden >= n]
                 offsets = torch.arange(s.kpool, device=order.device)
                 hidden = ((hidden + first)[:, None] * s.kpool + offsets).flatten()
