@@ -52,15 +52,15 @@ tokens after it, and so, ahead of them, are the places where the document holds 
 or once per 4,096 tokens past 128K, each weighted by its rarity, the recent window's too where it holds what came
 before the question: a place matching only part of a better place's phrase, a look-alike key, is passed over: not
 read, and left out of the window these forwards attend; a place holding no phrase of the question, only pairs met
-by chance, is not read either, but the window keeps it; nor is another entry of a template around a taken place,
-a frame of the question's own words too common to rank places with the same tokens around it, where the caller
-says where its question begins, `Session.prefill(question_from=...)`). Matched places, then scored ones, are cut
-at those forwards' far tokens (query_topk), so a place no match finds goes to a scored pool's span, not to 4-token
-pieces of scattered places (frequent-word answers copied garbled words from those); the pools the question scores
-best after those fill what overlapping spans leave, none left to each query's own choice. At 128K the question's
-scored pools held 2 of a multi-value needle's 4 values, its rarest pairs all 4; and the queries' own choices,
-beside kept pools that held every needle, took the answers off them, where the needles alone were copied
-(docs/benchmarks.md).
+by chance, is not read either, but the window keeps it; another entry of a template around a taken place, a
+frame of the question's own words too common to rank places with the same tokens around it, is passed over as a
+look-alike is, where the caller says where its question begins, `Session.prefill(question_from=...)`). Matched
+places, then scored ones, are cut at those forwards' far tokens (query_topk), so a place no match finds goes to a
+scored pool's span, not to 4-token pieces of scattered places (frequent-word answers copied garbled words from
+those); the pools the question scores best after those fill what overlapping spans leave, none left to each query's
+own choice. At 128K the question's scored pools held 2 of a multi-value needle's 4 values, its rarest pairs all 4;
+and the queries' own choices, beside kept pools that held every needle, took the answers off them, where the needles
+alone were copied (docs/benchmarks.md).
 A question names what it asks for (a needle's key), and the tokens that name it find the key's few occurrences;
 the query that must write the answer matches the needle's form ("the number is:"), not its key, and ranks the
 key's pool far lower (RULER-style niah_single at 32K, the default model, 10 samples: the answer's
