@@ -442,7 +442,8 @@ def open_reader(reader: str, loaded, capacity: int, indexer, for_segments, setti
     if reader == "dense":
         return Session(loaded.model, capacity)
     if reader == "indexpool":
-        return Session(loaded.model, capacity, attention=settings, indexer=indexer, segment_indexer=for_segments)
+        return Session(loaded.model, capacity, attention=settings, indexer=indexer, segment_indexer=for_segments,
+                       words=loaded.tokenizer.word_ids)
     # The window reader selects nothing: the segment indexer (hybrid) would only compute keys nobody reads.
     return Session(loaded.model, capacity, attention=IndexPoolConfig(topk=0), indexer=indexer)
 

@@ -6,7 +6,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -126,12 +126,13 @@ class Session:
     (a chat's next turn, another question on the same document) only prefill what is new.
 
     attention=None gives dense attention over a plain KV cache (up to the model's context); an IndexPoolConfig
-    gives IndexPool sparse attention (`model/indexpool_cache.py`) with the given indexer (default: training-free).
+    gives IndexPool sparse attention (`model/indexpool_cache.py`) with the given indexer (default: training-free);
+    `words`, the tokenizer's `word_ids`, lets it tell a template's entries apart from a document's recurring words.
     """
 
     def __init__(self, model: Transformer, max_length: int, segment: int = 512,
                  attention: IndexPoolConfig | None = None, indexer: Indexer | None = None,
-                 segment_indexer: Indexer | None = None):
+                 segment_indexer: Indexer | None = None, words: Sequence[int] | None = None):
         self.model = model
         self.device = model.device
         self.tokens: list[int] = []
@@ -145,6 +146,8 @@ class Session:
                                                      distances=attention.far_distances())
             self.cache = IndexPoolCache(model.config, attention, indexer, max_length, model.dtype, self.device,
                                         segment_indexer)
+            if words is not None:
+                self.cache.words = torch.tensor(words)  # matching runs on the CPU
             # The prompt's last tokens (where a question is) get their own forward, so they select per query.
             self.segment, self.query_tokens = attention.segment, attention.query_tokens
 

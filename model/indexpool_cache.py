@@ -53,7 +53,8 @@ or once per 4,096 tokens past 128K, each weighted by its rarity, the recent wind
 before the question: a place matching only part of a better place's phrase, a look-alike key, is passed over: not
 read, and left out of the window these forwards attend; a place holding no phrase of the question, only pairs met
 by chance, is not read either, but the window keeps it; another entry of a template around a taken place, a
-frame of the question's own words too common to rank places with the same tokens around it, is passed over as a
+frame of the question's own words too common to rank places with the same words around it (a word at a line's
+start and within a line taken for one, where the session has the tokenizer's `word_ids`), is passed over as a
 look-alike is, where the caller says where its question begins, `Session.prefill(question_from=...)`). Matched
 places, then scored ones, are cut at those forwards' far tokens (query_topk), so a place no match finds goes to a
 scored pool's span, not to 4-token pieces of scattered places (frequent-word answers copied garbled words from
@@ -105,7 +106,8 @@ QUESTION_SPAN = range(-3, 5)
 MATCH_MAX_COUNT = 32
 MATCH_SPARSE = 4096
 # Tokens around a frame too common to rank places that its other places must share with a taken place's, for
-# those to be another key's entries of one template (`_frame_look_alikes`).
+# those to be another key's entries of one template (`_frame_look_alikes`); one fewer where more entries share them
+# than a pair may be met and still name something (a template repeated that often is no document's recurring words).
 FRAME_TEMPLATE = 3
 TOKEN_PAIR_BASE = 1 << 32  # a pair of token ids as one int64: first * base + second
 INDEX_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8_DTYPE}
@@ -210,7 +212,7 @@ def common_pair_count(pairs: int) -> int:
 
 def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, count: int,
                    repeat_share: float = 0.0, uncounted_from: int | None = None,
-                   frame_from: int | None = None) -> Matches:
+                   frame_from: int | None = None, words: torch.Tensor | None = None) -> Matches:
     """Where `document` (token ids, starting at a pool boundary) holds the question's rarest wording: the pools
     (indices into document's complete pools, best first, no two within a QUESTION_SPAN of each other) holding pairs
     of consecutive question tokens, until `count` of them lie before pool `uncounted_from` (those from there, the
@@ -225,7 +227,8 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
     A phrase of the question's own words (question[frame_from:]; None: none) too common to rank places, a frame
     repeated around many keys (a table's rows, a suite's needles), still ties to a taken place the places holding
     only it (`_frame_look_alikes`), listed apart: `framed`. (Not a question's first tokens, which may be the
-    document's last: a section break there would make every section's start one.)"""
+    document's last: a section break there would make every section's start one.) `words`: each token id's word
+    (`Tokenizer.word_ids`), by which the tokens around a frame are compared; None: by the ids themselves."""
     n_pools = len(document) // kpool
     if count <= 0 or n_pools == 0 or len(question) < 2:
         none = torch.empty(0, dtype=torch.long, device=document.device)
@@ -281,10 +284,11 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
         if counted == count:
             break
     if frame_from is not None:
-        words = question[frame_from:]
-        frame = every_phrased & ~rare & torch.isin(pairs[every_at], words[:-1] * TOKEN_PAIR_BASE + words[1:])
+        asked = question[frame_from:]
+        frame = every_phrased & ~rare & torch.isin(pairs[every_at], asked[:-1] * TOKEN_PAIR_BASE + asked[1:])
         listed = set(look_alikes) | set(strays)
-        for pool, taken in _frame_look_alikes(document, every_at, frame, chosen, held, kpool, n_pools):
+        alike = document if words is None else words[document]
+        for pool, taken in _frame_look_alikes(alike, every_at, frame, chosen, held, kpool, common_pair_count(before)):
             if pool not in listed and all(abs(pool - other) > reach for other in chosen) and \
                     looks_like(*phrase(pool), taken):
                 framed.append(pool)
@@ -293,26 +297,28 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
                      for pools in (chosen, look_alikes, strays, framed)))
 
 
-def _frame_look_alikes(document: torch.Tensor, at: torch.Tensor, frame: torch.Tensor, chosen: list[int],
-                       held: list[tuple[set[int], float]], kpool: int, n_pools: int):
+def _frame_look_alikes(words: torch.Tensor, at: torch.Tensor, frame: torch.Tensor, chosen: list[int],
+                       held: list[tuple[set[int], float]], kpool: int, common: int):
     """For `matching_pools`: (pool, the taken place's held phrase) for each other place of a frame that a taken
     place's span holds: a run of frame occurrences (`frame`: among `at`, the question's pairs' ascending positions,
-    those phrased and too common to rank places) repeated with the same tokens, inside a template of the
-    document's: at least FRAME_TEMPLATE tokens around it (before and after, as far as they run on alike) the
-    same as around the taken place's. Placed where the taken place lies relative to its frame (a template repeated
-    around many keys puts each key at the same offset from it). In turn for each taken place and each of its
-    frames, in the document's order. A word met around the document (a library's name in its manual, 'UTF-8')
-    is a frame by count, but the tokens around it run on differently from one place to the next."""
+    those phrased and too common to rank places) repeated as the same words, inside a template of the
+    document's: at least FRAME_TEMPLATE words around it (before and after, as far as they run on alike; `words`,
+    the document's tokens as words) the same as around the taken place's, or one fewer where over `common` places
+    share that many. Placed where the taken place lies relative to its frame (a template repeated around many keys
+    puts each key at the same offset from it). In turn for each taken place and each of its frames, in the
+    document's order. A word met around the document (a library's name in its manual, 'UTF-8') is a frame by
+    count, but the tokens around it run on differently from one place to the next."""
     spots = at[frame]
     if not len(spots) or not chosen:
         return
+    n_pools = len(words) // kpool
     starts = torch.ones(len(spots), dtype=torch.bool, device=at.device)
     starts[1:] = spots[1:] != spots[:-1] + 1
     ends = torch.ones_like(starts)
     ends[:-1] = starts[1:]
     first, last = spots[starts], spots[ends]  # each frame's first and last pair
     reach = FRAME_TEMPLATE
-    padded = F.pad(document, (reach, reach), value=-1)  # not a token: never alike
+    padded = F.pad(words, (reach, reach), value=-1)  # not a word: never alike
 
     def around(position: torch.Tensor, tokens: int) -> torch.Tensor:  # each frame's tokens and `reach` either side
         return padded[position[:, None] + torch.arange(tokens + 2 * reach, device=at.device)]
@@ -327,10 +333,11 @@ def _frame_look_alikes(document: torch.Tensor, at: torch.Tensor, frame: torch.Te
             theirs = around(first[alike], tokens)
             equal = (theirs == around(first[mine: mine + 1], tokens)) & (theirs >= 0)
             core = equal[:, reach: reach + tokens].all(1)
-            before = equal[:, :reach].flip(1).cumprod(1).sum(1)
-            after = equal[:, reach + tokens:].cumprod(1).sum(1)
+            shared = equal[:, :reach].flip(1).cumprod(1).sum(1) + equal[:, reach + tokens:].cumprod(1).sum(1)
+            near = core & (shared >= FRAME_TEMPLATE - 1)
+            entries = near if int(near.sum()) > common else near & (shared >= FRAME_TEMPLATE)
             offset = place - int(first[mine]) // kpool
-            for start in first[alike[core & (before + after >= FRAME_TEMPLATE)]].tolist():
+            for start in first[alike[entries]].tolist():
                 yield min(max(start // kpool + offset, 0), n_pools - 1), taken
 
 
@@ -523,6 +530,8 @@ class IndexPoolCache:
         self.question_start = self.question_end = 0
         self.scouted: torch.Tensor | None = None
         self.scouting_question = False
+        # Each token id's word (`Tokenizer.word_ids`), by which a question's frames are compared (`matching_pools`).
+        self.words: torch.Tensor | None = None
 
     @contextmanager
     def reading(self, evidence: AttentionEvidence | None = None, shared_selection: bool = False,
@@ -741,7 +750,7 @@ class IndexPoolCache:
                 question = torch.tensor(tokens[start:end])
                 frame_from = None if question_from is None else min(max(question_from - start, 0), end - start)
                 found = matching_pools(document, question, s.kpool, s.question_matches, s.match_repeat_share,
-                                       uncounted_from=n, frame_from=frame_from)
+                                       uncounted_from=n, frame_from=frame_from, words=self.words)
                 matched, look_alikes, strays, framed = (m.to(order.device) for m in found)
                 n_held = len(document) // s.kpool
                 kept = question_pools(matched, n_held)

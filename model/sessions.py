@@ -168,7 +168,7 @@ def open_session(loaded, options: SessionOptions, needed_tokens: int | None, aut
         return Session(loaded.model, min(context, needed_tokens or context))
     session = Session(loaded.model, needed_tokens or CHAT_CONTEXT, attention=settings,
                       indexer=default_indexer(options, loaded, calibrating),
-                      segment_indexer=segment_indexer(options, loaded))
+                      segment_indexer=segment_indexer(options, loaded), words=loaded.tokenizer.word_ids)
     if needed_tokens is not None:
         check_memory_budget(session.cache, needed_tokens)
     return session

@@ -319,6 +319,13 @@ class Tokenizer:
         """The ids of the tokens whose text holds a line break: where lines end in a sequence of token ids."""
         return frozenset(i for i, token in enumerate(self._token_bytes) if b"\n" in token)
 
+    @cached_property
+    def word_ids(self) -> list[int]:
+        """Each token id's word: the id of its text without a leading space where the vocabulary holds that text
+        (' One' within a line and 'One' at its start are one word), else its own id."""
+        ids = {token: i for i, token in enumerate(self._token_bytes) if token and i not in self._control_ids}
+        return [ids.get(token[1:], i) if token[:1] == b" " else i for i, token in enumerate(self._token_bytes)]
+
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self._token_bytes, self._control_ids)
 

@@ -41,7 +41,7 @@ def tiny_model(seed: int = 0, config: LlamaConfig = CONFIG) -> Transformer:
 
 
 def reference_matching_pools(document, question, kpool, count, repeat_share=0.0, uncounted_from=None,
-                             frame_from=None):
+                             frame_from=None, words=None):
     """`matching_pools`, one pair at a time: each occurrence in the document of a pair of consecutive question
     tokens met at most MATCH_MAX_COUNT times there (once per MATCH_SPARSE pairs where more) adds log(pairs / its
     count) to its pool; pools rank by twice that
@@ -51,9 +51,11 @@ def reference_matching_pools(document, question, kpool, count, repeat_share=0.0,
     it holds no phrase); until `count` are taken before pool uncounted_from (all of them counting when it is
     None). Then, with frame_from, for each taken place and each run of consecutive pairs of question[frame_from:]
     met more often than that (and next to another question pair) starting in its span: each other such run of the
-    same tokens, with FRAME_TEMPLATE tokens before and after them (together) the same as around the first, gives
-    the pool where the taken place lies relative to its run's first pair, listed (framed) when it is none listed,
-    lies more than 7 pools from every place taken, and its span passes the look-alike test against that place."""
+    same tokens, with FRAME_TEMPLATE tokens before and after them (together) the same as around the first (as
+    words: words[token] where words is given), or FRAME_TEMPLATE - 1 where more than that limit of the other runs
+    have that many, gives the pool where the taken place lies relative to its run's first pair, listed (framed) when
+    it is none listed, lies more than 7 pools from every place taken, and its span passes the look-alike test
+    against that place."""
     pairs = list(zip(document, document[1:]))
     # counted in the pairs wholly before pool uncounted_from; one met only after it, once
     before = len(pairs) if uncounted_from is None else max(1, min(len(pairs), uncounted_from * kpool - 1))
@@ -87,8 +89,8 @@ def reference_matching_pools(document, question, kpool, count, repeat_share=0.0,
         chosen.append(p)
         held.append((phrase, weight))
     if frame_from is not None and own:
-        words = set(zip(question[frame_from:], question[frame_from + 1:]))
-        frame = sorted(i for i in hits if counts[pairs[i]] > limit and pairs[i] in words and
+        asked = set(zip(question[frame_from:], question[frame_from + 1:]))
+        frame = sorted(i for i in hits if counts[pairs[i]] > limit and pairs[i] in asked and
                        (i - 1 in hits or i + 1 in hits))
         runs = []  # runs of consecutive frame pairs: (first pair, last pair)
         for i in frame:
@@ -97,11 +99,14 @@ def reference_matching_pools(document, question, kpool, count, repeat_share=0.0,
             else:
                 runs.append([i, i])
 
-        def alike_around(a, b, step):  # how many tokens on from a and b, stepping by step, are the same
+        word = (lambda t: t) if words is None else (lambda t: words[t])
+
+        def alike_around(a, b, step):  # how many words on from a and b, stepping by step, are the same
             n = 0
             while n < FRAME_TEMPLATE:
                 i, j = a + step * (n + 1), b + step * (n + 1)
-                if not (0 <= i < len(document) and 0 <= j < len(document) and document[i] == document[j]):
+                if not (0 <= i < len(document) and 0 <= j < len(document) and
+                        word(document[i]) == word(document[j])):
                     break
                 n += 1
             return n
@@ -111,9 +116,11 @@ def reference_matching_pools(document, question, kpool, count, repeat_share=0.0,
             for fa, fb in runs:
                 if not max(place - 3, 0) * kpool <= fa < min(place + 5, len(own)) * kpool:
                     continue
+                alike = {(ca, cb): alike_around(fa, ca, -1) + alike_around(fb + 1, cb + 1, 1) for ca, cb in runs
+                         if (ca, cb) != (fa, fb) and list(map(word, document[ca: cb + 2])) == list(map(word, document[fa: fb + 2]))}
+                need = FRAME_TEMPLATE - (sum(n >= FRAME_TEMPLATE - 1 for n in alike.values()) > limit)
                 for ca, cb in runs:
-                    if (ca, cb) == (fa, fb) or document[ca: cb + 2] != document[fa: fb + 2] or \
-                            alike_around(fa, ca, -1) + alike_around(fb + 1, cb + 1, 1) < FRAME_TEMPLATE:
+                    if alike.get((ca, cb), -1) < need:
                         continue
                     p = min(max(ca // kpool + place - fa // kpool, 0), len(own) - 1)
                     phrase, weight = span_phrase(p)
@@ -906,6 +913,31 @@ def test_a_frame_of_the_questions_own_words_ties_look_alikes_at_any_length():
     assert found[3].framed.tolist() == entries[:17] + entries[18:]
     breaks = set(found[0].framed.tolist()) - set(entries)
     assert len(breaks) > 40 and all(document[p * 4 - 16: p * 4 + 16].count(70) for p in breaks)
+
+
+def test_a_template_repeated_often_needs_one_word_fewer_around_its_frame():
+    """40 entries "X ONE of FRAME KEY VALUE" in 20K tokens, X different in each, ONE a word met as two tokens (at a
+    line's start and within a line: 48 and 47, alternately): around the frame the other entries share 2 words with
+    the asked one's (ONE, of) where the tokens are taken as words, and 20 of them share 2 tokens. Where over
+    MATCH_MAX_COUNT entries share 2 (as words), that template ties every other entry to the asked one; where fewer
+    do (as tokens: 19), 3 are needed, and none is tied."""
+    from indexpool.model.indexpool_cache import matching_pools
+
+    document = [1] * 20_000
+    starts = [2000 + i * 400 for i in range(40)]
+    for i, start in enumerate(starts):
+        document[start: start + 10] = [300 + i, 48 if i % 2 else 47, 49, 50, 51, 52, 100 + 2 * i, 101 + 2 * i, 53,
+                                       200 + i]
+    question = [60, 50, 51, 52, 134, 135, 61]  # key 17's
+    words = torch.arange(400)
+    words[48] = 47
+    entries = [(start + 6) // 4 for start in starts]  # the pool of each entry's key
+    for by_words, framed in ((False, []), (True, entries[:17] + entries[18:])):
+        found = matching_pools(torch.tensor(document), torch.tensor(question), 4, 4, 0.9, frame_from=0,
+                               words=words if by_words else None)
+        assert tuple(t.tolist() for t in found) == reference_matching_pools(
+            document, question, 4, 4, 0.9, frame_from=0, words=words.tolist() if by_words else None)
+        assert found.places.tolist() == [entries[17]] and found.framed.tolist() == framed
 
 
 def test_frame_look_alikes_match_the_reference_on_random_ids(monkeypatch):

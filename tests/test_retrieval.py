@@ -118,29 +118,57 @@ def test_a_question_whose_words_are_nowhere_falls_back_to_the_evidence(default_t
     assert [p.text for p in quote.passages] == ["[Page 2]\nThe lighthouse keeper is Ilse Morrow.\nShe keeps the lamp lit."]
 
 
+def tiny_loaded_model(tokenizer):
+    """A tiny random llama-family model with `tokenizer`, as `load_model` returns one."""
+    from pathlib import Path
+
+    from indexpool.model.llama import LlamaConfig, Transformer
+    from indexpool.model.loader import LoadedModel
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                         head_dim=8, ffn_dim=64, context_length=64, rope_theta=10000.0)
+    return LoadedModel(Transformer(config).eval(), tokenizer, config, Path("tiny.gguf"), "tiny", 0, 32.0)
+
+
 def test_ask_tells_the_session_where_its_question_begins(default_tokenizer, monkeypatch):
     """`ask` reads its request after the document with the document's end as the question's start, so a frame is
-    taken from the question's own words only (`matching_pools`), not from the document's last tokens read with it
-    (a tiny random model with the default tokenizer, IndexPool settings small enough to select)."""
+    taken from the question's own words only (`matching_pools`), not from the document's last tokens read with it;
+    and a session given the tokenizer's words compares frames by them (a tiny random model with the default
+    tokenizer, IndexPool settings small enough to select)."""
     from indexpool.local import HeldDocument, run_request
+    import indexpool.model.indexpool_cache as indexpool_cache
     from indexpool.model.generate import Sampler, SamplingParams, Session
     from indexpool.model.indexpool_cache import IndexPoolCache, IndexPoolConfig
-    from indexpool.model.llama import LlamaConfig, Transformer
 
     document, prompt = prompt_for(default_tokenizer, "Which pier does the ferry to Rook Island leave from?")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=default_tokenizer.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                         head_dim=8, ffn_dim=64, context_length=64, rope_theta=10000.0)
     settings = IndexPoolConfig(kpool=4, topk=8, window=8, sinks=4, segment=16, query_tokens=6,
                                segment_candidates=4, kv_storage="full")
-    session = Session(Transformer(config).eval(), len(prompt.ids) + 200, attention=settings)
-    seen = []
-    read_question = IndexPoolCache.read_question
+    session = Session(tiny_loaded_model(default_tokenizer).model, len(prompt.ids) + 200, attention=settings,
+                      words=default_tokenizer.word_ids)
+    seen, words_seen = [], []
+    read_question, matching_pools = IndexPoolCache.read_question, indexpool_cache.matching_pools
 
     def spy(cache, forward, tokens=None, held=0, question_from=None):
         seen.append(question_from)
         return read_question(cache, forward, tokens, held, question_from)
 
+    def matching_spy(*args, words=None, **kwargs):
+        words_seen.append(words)
+        return matching_pools(*args, words=words, **kwargs)
+
     monkeypatch.setattr(IndexPoolCache, "read_question", spy)
+    monkeypatch.setattr(indexpool_cache, "matching_pools", matching_spy)
     run_request(HeldDocument(session, default_tokenizer, document), prompt, Sampler(SamplingParams(temperature=0)), 2)
     assert seen and all(start == prompt.doc_end for start in seen)
+    assert words_seen and all(words.tolist() == default_tokenizer.word_ids for words in words_seen)
+
+
+def test_a_document_jobs_session_has_the_tokenizers_words(default_tokenizer):
+    from indexpool.model.indexpool_cache import IndexPoolConfig
+    from indexpool.model.sessions import SessionOptions, open_session
+
+    settings = IndexPoolConfig(kpool=4, topk=8, window=8, sinks=4, segment=16, query_tokens=6, segment_candidates=4)
+    options = SessionOptions(indexpool=settings, indexer="training-free", prune_index=False)
+    session = open_session(tiny_loaded_model(default_tokenizer), options, 1000, auto="indexpool")
+    assert session.cache.words.tolist() == default_tokenizer.word_ids

@@ -106,6 +106,20 @@ def test_lone_surrogates_become_replacement_characters(default_tokenizer):
     assert default_tokenizer.decode(default_tokenizer.encode("a\ud800b")) == "a\ufffdb"
 
 
+def test_word_ids_take_a_word_at_a_lines_start_and_within_it_for_one(default_tokenizer):
+    words = default_tokenizer.word_ids
+    assert len(words) == default_tokenizer.vocab_size
+    [spaced], [bare] = default_tokenizer.encode(" One"), default_tokenizer.encode("One")
+    assert spaced != bare and words[spaced] == words[bare] == bare
+    [space] = default_tokenizer.encode(" ")  # nothing after the space: a word of its own
+    assert words[space] == space
+    end_of_turn = default_tokenizer.encode("<|im_end|>", allow_special=True)[0]
+    assert words[end_of_turn] == end_of_turn
+    changed = [i for i, word in enumerate(words) if word != i]
+    assert changed and all(default_tokenizer.decode([i]) == " " + default_tokenizer.decode([words[i]])
+                           for i in changed)
+
+
 def test_stream_decoder_yields_only_whole_characters(default_tokenizer):
     text = "Hi 😀👍🏽 中文字符 \U00020000\U0002a6d6 👨‍👩‍👧 naïve é\u0301 🇯🇵 end"
     ids = default_tokenizer.encode(text)
