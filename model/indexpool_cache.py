@@ -287,8 +287,9 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
         asked = question[frame_from:]
         frame = every_phrased & ~rare & torch.isin(pairs[every_at], asked[:-1] * TOKEN_PAIR_BASE + asked[1:])
         listed = set(look_alikes) | set(strays)
-        alike = document if words is None else words[document]
-        for pool, taken in _frame_look_alikes(alike, every_at, frame, chosen, held, kpool, common_pair_count(before)):
+        as_words = document if words is None else words[document]
+        for pool, taken in _frame_look_alikes(as_words, every_at, frame, chosen, held, kpool,
+                                              common_pair_count(before)):
             if pool not in listed and all(abs(pool - other) > reach for other in chosen) and \
                     looks_like(*phrase(pool), taken):
                 framed.append(pool)
