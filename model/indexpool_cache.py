@@ -51,17 +51,18 @@ tokens after it, and so, ahead of them, are the places where the document holds 
 (`question_matches`, `matching_pools`: pairs of consecutive question tokens met at most 32 times in the document,
 or once per 4,096 tokens past 128K, each weighted by its rarity, the recent window's too where it holds what came
 before the question: a place matching only part of a better place's phrase, a look-alike key, is passed over: not
-read, and left out of the window these forwards attend; a place holding no phrase of the question, only pairs met
-by chance, is not read either, but the window keeps it; another entry of a template around a taken place, a
-frame of the question's own words too common to rank places with the same words around it (a word at a line's
-start and within a line taken for one, where the session has the tokenizer's `word_ids`), is passed over as a
-look-alike is, where the caller says where its question begins, `Session.prefill(question_from=...)`). Matched
-places, then scored ones, are cut at those forwards' far tokens (query_topk), so a place no match finds goes to a
-scored pool's span, not to 4-token pieces of scattered places (frequent-word answers copied garbled words from
-those); the pools the question scores best after those fill what overlapping spans leave, none left to each query's
-own choice. At 128K the question's scored pools held 2 of a multi-value needle's 4 values, its rarest pairs all 4;
-and the queries' own choices, beside kept pools that held every needle, took the answers off them, where the needles
-alone were copied (docs/benchmarks.md).
+read, and left out of the window these forwards attend; a far place joining in one run words that the question
+keeps apart, holding only what the places taken hold together (a key made of words of two asked keys), is not read;
+a place holding no phrase of the question, only pairs met by chance, is not read either, but the window keeps it;
+another entry of a template around a taken place, a frame of the question's own words too common to rank places
+with the same words around it (a word at a line's start and within a line taken for one, where the session has the
+tokenizer's `word_ids`), is passed over as a look-alike is, where the caller says where its question begins,
+`Session.prefill(question_from=...)`). Matched places, then scored ones, are cut at those forwards' far tokens
+(query_topk), so a place no match finds goes to a scored pool's span, not to 4-token pieces of scattered places
+(frequent-word answers copied garbled words from those); the pools the question scores best after those fill what
+overlapping spans leave, none left to each query's own choice. At 128K the question's scored pools held 2 of a
+multi-value needle's 4 values, its rarest pairs all 4; and the queries' own choices, beside kept pools that held
+every needle, took the answers off them, where the needles alone were copied (docs/benchmarks.md).
 A question names what it asks for (a needle's key), and the tokens that name it find the key's few occurrences;
 the query that must write the answer matches the needle's form ("the number is:"), not its key, and ranks the
 key's pool far lower (RULER-style niah_single at 32K, the default model, 10 samples: the answer's
@@ -223,7 +224,13 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
     pairs, three tokens or more) only pairs that a place taken before holds too, weighing (each pair once) less
     than `repeat_share` of that place's: a look-alike, a distractor sharing part of the asked key's wording; or a
     stray, holding no phrase at all (its pairs met by chance). An exact repeat is kept, and a pair on its own beside
-    a phrase (two words of the question met by chance) tells the two apart no more.
+    a phrase (two words of the question met by chance) tells the two apart no more. A place before the window
+    holding a joint, two counted pairs of the question's own words (question[frame_from:]; all of it where None) in
+    a row whose three tokens the question does not hold in that order, is passed over too when its phrases hold
+    only pairs that the places taken hold together, weighing less than `repeat_share` of theirs: a key made of
+    words of two asked keys; taken before the places it joins (ranking above them), it is passed over once they are
+    taken, and the next place taken in its stead. (In the window, read whole, the question's line breaks joined to
+    its answer's first word made joints of section breaks.)
     A phrase of the question's own words (question[frame_from:]; None: none) too common to rank places, a frame
     repeated around many keys (a table's rows, a suite's needles), still ties to a taken place the places holding
     only it (`_frame_look_alikes`), listed apart: `framed`. (Not a question's first tokens, which may be the
@@ -258,40 +265,70 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
     look_alikes: list[int] = []
     strays: list[int] = []
     framed: list[int] = []
-    held: list[tuple[set[int], float]] = []  # each chosen place's distinct phrased pairs, and their weight
+    held: list[tuple[set[int], float, bool]] = []  # each chosen place's `phrase`
     weights = pair_weights.tolist()
     reach = len(QUESTION_SPAN) - 1  # two chosen pools further apart than this keep spans that do not overlap
 
-    def phrase(pool: int) -> tuple[set[int], float]:  # the distinct counted pairs its span holds in phrases
-        lo = int(torch.searchsorted(at, max(pool + QUESTION_SPAN.start, 0) * kpool))
-        hi = int(torch.searchsorted(at, min(pool + QUESTION_SPAN.stop, n_pools) * kpool))
-        ids = set(which[lo:hi][phrased[lo:hi]].tolist())
-        return ids, sum(weights[i] for i in ids)
+    # Where two consecutive counted pairs of the question's own words join tokens that the question does not hold
+    # in that order (a key made of words of two asked keys: "sleek-island" for "sleek-canyon" and "golden-island").
+    asked = question if frame_from is None else question[frame_from:]
+    asked_pairs = asked[:-1] * TOKEN_PAIR_BASE + asked[1:]
+    links = torch.searchsorted(wanted, question[:-1] * TOKEN_PAIR_BASE + question[1:])
+    links = links[:-1] * len(wanted) + links[1:]
+    next_to = (at[1:] == at[:-1] + 1).nonzero().flatten()
+    next_to = next_to[torch.isin(pairs[at[next_to]], asked_pairs) & torch.isin(pairs[at[next_to + 1]], asked_pairs)]
+    ranks = torch.searchsorted(wanted, distinct)[which]
+    joints = at[next_to[~torch.isin(ranks[next_to] * len(wanted) + ranks[next_to + 1], links)]]
 
-    def looks_like(ids: set[int], weight: float, taken: tuple[set[int], float]) -> bool:
-        return ids <= taken[0] and weight < repeat_share * taken[1]
+    def phrase(pool: int) -> tuple[set[int], float, bool]:  # its span's distinct counted pairs in phrases, their
+        # weight, whether it holds a joint
+        lo, hi = max(pool + QUESTION_SPAN.start, 0) * kpool, min(pool + QUESTION_SPAN.stop, n_pools) * kpool
+        first, last = (int(torch.searchsorted(at, bound)) for bound in (lo, hi))
+        ids = set(which[first:last][phrased[first:last]].tolist())
+        joined = int(torch.searchsorted(joints, lo)) < int(torch.searchsorted(joints, hi)) and \
+            (uncounted_from is None or pool < uncounted_from)
+        return ids, sum(weights[i] for i in ids), joined
 
-    for pool in candidates[score[candidates].argsort(descending=True, stable=True)].tolist():
-        if any(abs(pool - other) <= reach for other in chosen):
-            continue
-        ids, weight = phrase(pool)
-        if any(looks_like(ids, weight, other) for other in held):
-            (look_alikes if ids else strays).append(pool)
-            continue
-        chosen.append(pool)
-        held.append((ids, weight))
-        counted += uncounted_from is None or pool < uncounted_from
-        if counted == count:
+    def looks_like(ids: set[int], weight: float, joined: bool, taken: Sequence[tuple[set[int], float, bool]]) -> bool:
+        """Part of one taken place's phrases, lighter than it by the share; or, holding a joint, of what the places
+        taken hold together, lighter than they are together."""
+        if any(ids <= other and weight < repeat_share * other_weight for other, other_weight, _ in taken):
+            return True
+        together = set().union(*(other for other, _, _ in taken))
+        return joined and ids <= together and weight < repeat_share * sum(weights[i] for i in together)
+
+    ranked = iter(candidates[score[candidates].argsort(descending=True, stable=True)].tolist())
+    while True:
+        for pool in ranked:
+            if any(abs(pool - other) <= reach for other in chosen):
+                continue
+            held_here = phrase(pool)
+            if looks_like(*held_here, held):
+                (look_alikes if held_here[0] else strays).append(pool)
+                continue
+            chosen.append(pool)
+            held.append(held_here)
+            counted += uncounted_from is None or pool < uncounted_from
+            if counted == count:
+                break
+        # A joint taken before the places whose pairs it joins (it may rank above them: it holds the rare pairs of
+        # two) is passed over once they are taken, the next candidate taken in its stead: among 200 needles at
+        # 128K, 16 of 17 wrong copies in multi-query answers were such keys.
+        joining = [j for j in range(len(chosen)) if held[j][2] and looks_like(*held[j], held[:j] + held[j + 1:])]
+        if not joining:
             break
+        pool = chosen.pop(joining[-1])
+        held.pop(joining[-1])
+        counted -= uncounted_from is None or pool < uncounted_from
+        look_alikes.append(pool)
     if frame_from is not None:
-        asked = question[frame_from:]
-        frame = every_phrased & ~rare & torch.isin(pairs[every_at], asked[:-1] * TOKEN_PAIR_BASE + asked[1:])
+        frame = every_phrased & ~rare & torch.isin(pairs[every_at], asked_pairs)
         listed = set(look_alikes) | set(strays)
         as_words = document if words is None else words[document]
         for pool, taken in _frame_look_alikes(as_words, every_at, frame, chosen, held, kpool,
                                               common_pair_count(before)):
             if pool not in listed and all(abs(pool - other) > reach for other in chosen) and \
-                    looks_like(*phrase(pool), taken):
+                    looks_like(*phrase(pool), [taken]):
                 framed.append(pool)
                 listed.add(pool)
     return Matches(*(torch.tensor(pools, dtype=torch.long, device=document.device)
@@ -299,7 +336,7 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
 
 
 def _frame_look_alikes(words: torch.Tensor, at: torch.Tensor, frame: torch.Tensor, chosen: list[int],
-                       held: list[tuple[set[int], float]], kpool: int, common: int):
+                       held: list[tuple[set[int], float, bool]], kpool: int, common: int):
     """For `matching_pools`: (pool, the taken place's held phrase) for each other place of a frame that a taken
     place's span holds: a run of frame occurrences (`frame`: among `at`, the question's pairs' ascending positions,
     those phrased and too common to rank places) repeated as the same words, inside a template of the

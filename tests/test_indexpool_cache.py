@@ -42,20 +42,23 @@ def tiny_model(seed: int = 0, config: LlamaConfig = CONFIG) -> Transformer:
 
 def reference_matching_pools(document, question, kpool, count, repeat_share=0.0, uncounted_from=None,
                              frame_from=None, words=None):
-    """`matching_pools`, one pair at a time: each occurrence in the document of a pair of consecutive question
-    tokens met at most MATCH_MAX_COUNT times there (once per MATCH_SPARSE pairs where more) adds log(pairs / its
-    count) to its pool; pools rank by twice that
-    sum plus their neighbours', and are taken best first (ties: the earlier), none within 7 pools of one taken, nor
-    one whose span (3 pools before, 4 after) holds in phrases (question pairs next to another) only pairs of a place
-    taken, weighing less than repeat_share of that place's (passed over, and listed: a look-alike, or a stray when
-    it holds no phrase); until `count` are taken before pool uncounted_from (all of them counting when it is
-    None). Then, with frame_from, for each taken place and each run of consecutive pairs of question[frame_from:]
-    met more often than that (and next to another question pair) starting in its span: each other such run of the
-    same tokens, with FRAME_TEMPLATE tokens before and after them (together) the same as around the first (as
-    words: words[token] where words is given), or FRAME_TEMPLATE - 1 where more than that limit of the other runs
-    have that many, gives the pool where the taken place lies relative to its run's first pair, listed (framed) when
-    it is none listed, lies more than 7 pools from every place taken, and its span passes the look-alike test
-    against that place."""
+    """`matching_pools`, one pair at a time: each occurrence in the document of a pair of consecutive question tokens
+    met at most MATCH_MAX_COUNT times there (once per MATCH_SPARSE pairs where more) adds log(pairs / its count) to
+    its pool; pools rank by twice that sum plus their neighbours', and are taken best first (ties: the earlier), none
+    within 7 pools of one taken, nor one whose span (3 pools before, 4 after) holds in phrases (question pairs next
+    to another) only pairs of a place taken, weighing less than repeat_share of that place's, or, where it lies
+    before uncounted_from and its span holds a joint (two counted pairs in a row, both of question[frame_from:],
+    their three tokens not three of the question's in a row), only pairs of the places taken, weighing less than
+    repeat_share of theirs (passed over, and listed: a look-alike, or a stray when it holds no phrase); until `count`
+    are taken before pool uncounted_from (all of them counting when it is None), or none is left. Then the last place
+    taken holding a joint that the others pass over so is listed as a look-alike, and the taking goes on where it
+    stopped, until no place taken is. Then, with frame_from, for each taken place and each run of consecutive pairs
+    of question[frame_from:] met more often than that (and next to another question pair) starting in its span: each
+    other such run of the same tokens, with FRAME_TEMPLATE tokens before and after them (together) the same as around
+    the first (as words: words[token] where words is given), or FRAME_TEMPLATE - 1 where more than that limit of the
+    other runs have that many, gives the pool where the taken place lies relative to its run's first pair, listed
+    (framed) when it is none listed, lies more than 7 pools from every place taken, and its span passes the
+    look-alike test against that place."""
     pairs = list(zip(document, document[1:]))
     # counted in the pairs wholly before pool uncounted_from; one met only after it, once
     before = len(pairs) if uncounted_from is None else max(1, min(len(pairs), uncounted_from * kpool - 1))
@@ -75,22 +78,41 @@ def reference_matching_pools(document, question, kpool, count, repeat_share=0.0,
         span = range(max(p - 3, 0) * kpool, min(p + 5, len(own)) * kpool)
         phrase = {pairs[i] for i in span if i in hits and counts[pairs[i]] <= limit and
                   (i - 1 in hits or i + 1 in hits)}
-        return phrase, sum(math.log(before / counts[pair]) for pair in phrase)
+        return (phrase, sum(math.log(before / counts[pair]) for pair in phrase),
+                p < counted_before and any(span.start <= i < span.stop for i in joints))
 
-    for p in sorted(range(len(score)), key=lambda p: -score[p]):
-        if score[p] <= 0 or sum(c < counted_before for c in chosen) == count:
+    triples = set(zip(question, question[1:], question[2:]))
+    asked = question if frame_from is None else question[frame_from:]
+    asked_pairs = set(zip(asked, asked[1:]))
+    joints = [i for i in hits if i + 1 in hits and counts[pairs[i]] <= limit and counts[pairs[i + 1]] <= limit and
+              {pairs[i], pairs[i + 1]} <= asked_pairs and tuple(document[i: i + 3]) not in triples]
+
+    def held_together(phrase, weight, joined, others):
+        if any(phrase <= other and weight < repeat_share * other_weight for other, other_weight, _ in others):
+            return True
+        union = set().union(*(other for other, _, _ in others))
+        return joined and phrase <= union and \
+            weight < repeat_share * sum(math.log(before / counts[pair]) for pair in union)
+
+    ranked = [p for p in sorted(range(len(score)), key=lambda p: -score[p]) if score[p] > 0]
+    while True:
+        while ranked and sum(c < counted_before for c in chosen) < count:
+            p = ranked.pop(0)
+            if any(abs(p - c) <= 7 for c in chosen):
+                continue
+            phrase, weight, joined = span_phrase(p)
+            if held_together(phrase, weight, joined, held):
+                (look_alikes if phrase else strays).append(p)
+                continue
+            chosen.append(p)
+            held.append((phrase, weight, joined))
+        covered = [i for i in range(len(chosen)) if held[i][2] and held_together(*held[i], held[:i] + held[i + 1:])]
+        if not covered:
             break
-        if any(abs(p - c) <= 7 for c in chosen):
-            continue
-        phrase, weight = span_phrase(p)
-        if any(phrase <= other and weight < repeat_share * other_weight for other, other_weight in held):
-            (look_alikes if phrase else strays).append(p)
-            continue
-        chosen.append(p)
-        held.append((phrase, weight))
+        look_alikes.append(chosen.pop(covered[-1]))
+        held.pop(covered[-1])
     if frame_from is not None and own:
-        asked = set(zip(question[frame_from:], question[frame_from + 1:]))
-        frame = sorted(i for i in hits if counts[pairs[i]] > limit and pairs[i] in asked and
+        frame = sorted(i for i in hits if counts[pairs[i]] > limit and pairs[i] in asked_pairs and
                        (i - 1 in hits or i + 1 in hits))
         runs = []  # runs of consecutive frame pairs: (first pair, last pair)
         for i in frame:
@@ -112,7 +134,7 @@ def reference_matching_pools(document, question, kpool, count, repeat_share=0.0,
             return n
 
         listed = set(look_alikes) | set(strays)
-        for place, (other, other_weight) in zip(chosen, held):
+        for place, (other, other_weight, _) in zip(chosen, held):
             for fa, fb in runs:
                 if not max(place - 3, 0) * kpool <= fa < min(place + 5, len(own)) * kpool:
                     continue
@@ -123,7 +145,7 @@ def reference_matching_pools(document, question, kpool, count, repeat_share=0.0,
                     if alike.get((ca, cb), -1) < need:
                         continue
                     p = min(max(ca // kpool + place - fa // kpool, 0), len(own) - 1)
-                    phrase, weight = span_phrase(p)
+                    phrase, weight, _ = span_phrase(p)
                     if p not in listed and all(abs(p - c) > 7 for c in chosen) and phrase <= other and \
                             weight < repeat_share * other_weight:
                         framed.append(p)
@@ -994,6 +1016,33 @@ def test_matching_pools_pass_over_look_alikes_and_keep_repeats():
     found = matching_pools(torch.tensor(document), torch.tensor(question), 4, 8, 0.4)
     assert found.places.tolist() == [10, 50, 30] and found.look_alikes.tolist() == []
     assert found.strays.tolist() == [75, 74, 76]
+
+
+def test_a_place_holding_only_what_two_taken_places_hold_together_is_passed_over():
+    """A question asking for three keys ("5-7 11", "8-9 10 12", "40-41", the hyphen 6) and a key joining words of
+    the first two ("5-9 10 12": 5-9 is no three tokens of the question), which ranks above the first: taken before
+    it, it holds only what the two hold together once both are taken, and is passed over then for the third key,
+    which three places now hold. Asked for too, or in the recent window, it is kept."""
+    from indexpool.model.indexpool_cache import matching_pools
+
+    document = [1] * 400
+    document[40:44] = [5, 6, 7, 11]  # pool 10
+    document[120:125] = [8, 6, 9, 10, 12]  # pool 30
+    document[200:205] = [5, 6, 9, 10, 12]  # pool 50: the joined key
+    document[280:283] = [40, 6, 41]  # pool 70
+    question = [2, 5, 6, 7, 11, 3, 8, 6, 9, 10, 12, 3, 40, 6, 41, 4]
+    for share, expected in ((0.0, ([30, 50, 10], [], [], [])), (0.9, ([30, 10, 70], [50], [], []))):
+        found = tuple(t.tolist() for t in matching_pools(torch.tensor(document), torch.tensor(question), 4, 3, share))
+        assert found == expected == reference_matching_pools(document, question, 4, 3, share)
+    # Two places asked for: the first key is not taken, and (5, 6) is held by no place taken.
+    found = matching_pools(torch.tensor(document), torch.tensor(question), 4, 2, 0.9)
+    assert found.places.tolist() == [30, 50] and found.look_alikes.tolist() == []
+    # In the recent window (from pool 45), read whole, it is taken (without counting).
+    found = tuple(t.tolist() for t in matching_pools(torch.tensor(document), torch.tensor(question), 4, 2, 0.9, 45))
+    assert found == ([30, 50, 10], [], [], []) == reference_matching_pools(document, question, 4, 2, 0.9, 45)
+    question += [5, 6, 9, 10, 12]
+    found = tuple(t.tolist() for t in matching_pools(torch.tensor(document), torch.tensor(question), 4, 3, 0.9))
+    assert found == ([30, 50, 10], [], [], []) == reference_matching_pools(document, question, 4, 3, 0.9)
 
 
 def test_kept_question_pools_come_first_in_their_order():
