@@ -280,13 +280,15 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
     ranks = torch.searchsorted(wanted, distinct)[which]
     joints = at[next_to[~torch.isin(ranks[next_to] * len(wanted) + ranks[next_to + 1], links)]]
 
-    def phrase(pool: int) -> tuple[set[int], float, bool]:  # its span's distinct counted pairs in phrases, their
-        # weight, whether it holds a joint
+    def far(pool: int) -> bool:  # before the recent window: a place that counts
+        return uncounted_from is None or pool < uncounted_from
+
+    def phrase(pool: int) -> tuple[set[int], float, bool]:
+        """Its span's distinct counted pairs in phrases, their weight, and whether it is far and holds a joint."""
         lo, hi = max(pool + QUESTION_SPAN.start, 0) * kpool, min(pool + QUESTION_SPAN.stop, n_pools) * kpool
         first, last = (int(torch.searchsorted(at, bound)) for bound in (lo, hi))
         ids = set(which[first:last][phrased[first:last]].tolist())
-        joined = int(torch.searchsorted(joints, lo)) < int(torch.searchsorted(joints, hi)) and \
-            (uncounted_from is None or pool < uncounted_from)
+        joined = far(pool) and int(torch.searchsorted(joints, lo)) < int(torch.searchsorted(joints, hi))
         return ids, sum(weights[i] for i in ids), joined
 
     def looks_like(ids: set[int], weight: float, joined: bool, taken: Sequence[tuple[set[int], float, bool]]) -> bool:
@@ -294,8 +296,10 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
         taken hold together, lighter than they are together."""
         if any(ids <= other and weight < repeat_share * other_weight for other, other_weight, _ in taken):
             return True
+        if not joined:
+            return False
         together = set().union(*(other for other, _, _ in taken))
-        return joined and ids <= together and weight < repeat_share * sum(weights[i] for i in together)
+        return ids <= together and weight < repeat_share * sum(weights[i] for i in together)
 
     ranked = iter(candidates[score[candidates].argsort(descending=True, stable=True)].tolist())
     while True:
@@ -308,7 +312,7 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
                 continue
             chosen.append(pool)
             held.append(held_here)
-            counted += uncounted_from is None or pool < uncounted_from
+            counted += far(pool)
             if counted == count:
                 break
         # A joint taken before the places whose pairs it joins (it may rank above them: it holds the rare pairs of
@@ -319,7 +323,7 @@ def matching_pools(document: torch.Tensor, question: torch.Tensor, kpool: int, c
             break
         pool = chosen.pop(joining[-1])
         held.pop(joining[-1])
-        counted -= uncounted_from is None or pool < uncounted_from
+        counted -= far(pool)
         look_alikes.append(pool)
     if frame_from is not None:
         frame = every_phrased & ~rare & torch.isin(pairs[every_at], asked_pairs)
