@@ -24,7 +24,7 @@ from indexpool.model.errors import ModelLoadError, SettingsError
 from .attention import AttentionChoice, attention_options, calibrating
 from .console import InputError, err_console, fail, prefill_progress, read_message, read_text_input, show_stats
 from .ingest import IngestError
-from .options import option_group
+from .options import SEED_MAX, option_group
 from .remote import RemoteError
 
 app = typer.Typer(
@@ -36,21 +36,25 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-def command(fn):
-    """Register a command. A reader that goes away (`| head`) ends it quietly with exit 0, Ctrl-C with 130:
-    handled here because click's own handlers would exit 1 for both."""
+def command(fn=None, *, group: typer.Typer = app, name: str | None = None):
+    """Register a command (in `group`, as `name`: by default the app's, named after the function). A reader that
+    goes away (`| head`) ends it quietly with exit 0, Ctrl-C with 130: handled here because click's own handlers
+    would exit 1 for both."""
 
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
-            sys.exit(0)
-        except KeyboardInterrupt:
-            fail("interrupted", code=130)
+    def register(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except BrokenPipeError:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+                sys.exit(0)
+            except KeyboardInterrupt:
+                fail("interrupted", code=130)
 
-    return app.command()(run)
+        return group.command(name)(run)
+
+    return register if fn is None else register(fn)
 
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="A .gguf file or a Hugging Face model directory (default: SmolLM2-135M-Instruct).", envvar="INDEXPOOL_MODEL")]
@@ -84,7 +88,7 @@ class SamplingChoice:
     temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 for greedy decoding.")] = 0.7
     top_k: Annotated[int, typer.Option("--top-k", min=0, help="Sample from the k most likely tokens (0: all).")] = 40
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (1: off).")] = 0.95
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed for reproducible sampling.")] = None
+    seed: Annotated[Optional[int], typer.Option("--seed", min=0, max=SEED_MAX, help="Seed for reproducible sampling (0 to 2**64-1).")] = None
 
     def sampler(self):
         from indexpool.model.generate import Sampler, SamplingParams
@@ -489,7 +493,7 @@ app.add_typer(cache_app, name="cache")
 CacheDirOpt = Annotated[Optional[Path], typer.Option("--cache-dir", help="Document cache directory.", envvar="INDEXPOOL_CACHE_DIR")]
 
 
-@cache_app.command("list")
+@command(group=cache_app, name="list")
 def cache_list(cache_dir: CacheDirOpt = None, json_out: JsonOpt = False):
     """List cached documents, most recently used first."""
     from indexpool.model.tensor_cache import TensorCache, orphaned_temporaries
@@ -514,7 +518,7 @@ def cache_list(cache_dir: CacheDirOpt = None, json_out: JsonOpt = False):
                           "save or `indexpool cache clear` removes them", markup=False)
 
 
-@cache_app.command("clear")
+@command(group=cache_app, name="clear")
 def cache_clear(cache_dir: CacheDirOpt = None):
     """Delete every cached document, and the results kept from servers (--backend openai). Only files the cache
     wrote, in a directory it made (tagged with CACHEDIR.TAG), are deleted."""
@@ -662,12 +666,18 @@ def _llama_cache_bytes(facts: dict, n: int) -> dict:
 
 def _read_glm5_next_config(path: Path):
     from indexpool.model.glm5_next import Glm5NextConfig
+    from indexpool.model.loader import read_json_file
 
     file = path / "config.json" if path.is_dir() else path
+    if not file.exists():
+        raise InputError(f"{file} not found: give a glm5_next config.json, or the model directory holding it")
+    config = read_json_file(file)  # a regular file of a bounded size: a pipe or a device is refused, not read
+    if not isinstance(config, dict):
+        raise InputError(f"{file}: not a glm5_next config (its JSON is not an object)")
     try:
-        return Glm5NextConfig.from_hf(json.loads(file.read_text()))
-    except (OSError, ValueError, AttributeError) as e:  # AttributeError: JSON that is not an object
-        raise InputError(f"{file}: not a glm5_next config ({type(e).__name__}: {e})") from None
+        return Glm5NextConfig.from_hf(config)
+    except (ValueError, TypeError) as e:
+        raise InputError(f"{file}: not a glm5_next config ({' '.join(str(e).split())})") from None
 
 
 def _glm5_next_facts(cfg, dtype, lengths: list[int]) -> dict:

@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from .console import InputError, err_console
+from .options import SEED_MAX
 
 # The shipped indexer's run (DistillConfig has the same defaults; repeated so the CLI starts without torch).
 DEFAULT_STEPS, DEFAULT_SEQUENCES, DEFAULT_CONTEXT = 2000, 56, 8192
@@ -30,7 +31,7 @@ def distill(
     key_dim: Annotated[int, typer.Option("--key-dim", min=1, help="Width of an index key (and of a stored pooled key).")] = 32,
     heads: Annotated[int, typer.Option("--heads", min=1, help="Index heads.")] = 4,
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: one per physical core).")] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed for initial weights, query sampling and batch order.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", min=0, max=SEED_MAX, help="Seed for initial weights, query sampling and batch order (0 to 2**64-1).")] = 0,
     text: Annotated[Optional[list[Path]], typer.Option("--text", help="A UTF-8 text file to train on; repeat for more (default: pydoc topics, the common licenses, the standard library's sources). The last file's last --context tokens are the validation text.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
 ):
@@ -69,11 +70,15 @@ def distill(
         raise InputError(f"the texts are too short: they need at least {2 * context:,} tokens (one window of "
                          f"--context tokens to train on, and the last file's last {context:,} tokens to validate)")
     out = out or default_indexer_location(loaded.name)
+    _check_out(out)
 
     with _progress(steps, enabled=err_console.is_terminal and not quiet) as on_progress:
         result = run_distillation(loaded.model, ModelFingerprint.of(loaded), windows, validation, config,
                                   key_dim=key_dim, heads=heads, on_progress=on_progress)
-    _write_atomically(result.indexer, out)
+    try:
+        _write_atomically(result.indexer, out)
+    except OSError as e:  # the folder went away or filled up while training ran
+        raise InputError(f"cannot write {out}: {e.strerror or e}") from None
     minutes, seconds = divmod(round(result.seconds), 60)
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
     print(f"validation KL per query and layer: {result.loss_before:.3f} before, {result.loss_after:.3f} after "
@@ -83,14 +88,44 @@ def distill(
 
 
 def _read_text(path: Path) -> str:
+    """A --text file, whole: a regular file of at most the size any one input may be (a pipe or a device would
+    block the read or never end it)."""
+    from .ingest import IngestOptions, OverLimit, read_at_most, size_text
+
+    if not path.exists():
+        raise InputError(f"text file not found: {path}")
+    if not path.is_file():
+        raise InputError(f"{path} is not a regular file: give --text a text file")
+    limit = IngestOptions.max_input_bytes
     try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"text file not found: {path}") from None
+        with open(path, "rb") as f:
+            data = read_at_most(f, limit, os.fstat(f.fileno()).st_size)
+    except OverLimit:
+        raise InputError(f"{path} holds over {size_text(limit)}, the most one text may: split it") from None
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise InputError(f"{path} is not valid UTF-8 (byte {e.start}); convert it first, e.g. with iconv") from None
+
+
+def _check_out(path: Path) -> None:
+    """Refuse an --out the indexer cannot be written to before the training run, not after it: a directory, or a
+    folder that cannot be made or written in."""
+    if path.is_dir():
+        raise InputError(f"--out {path} is a directory: give a file name, e.g. {path / 'indexer.safetensors'}")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:  # the first folder that exists is where one is made
+        folder = folder.parent
+    if not folder.is_dir():
+        raise InputError(f"--out {path}: {folder} is not a directory")
+    try:  # a file made and removed: permissions, a read-only or pseudo file system (/proc) alike
+        fd, probe = tempfile.mkstemp(prefix=".indexpool-probe.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
-        raise InputError(f"cannot read {path}: {e.strerror}") from None
+        raise InputError(f"--out {path}: cannot write in {folder} ({e.strerror or e})") from None
 
 
 def _write_atomically(indexer, path: Path) -> None:

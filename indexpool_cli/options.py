@@ -8,6 +8,8 @@ import functools
 import inspect
 import typing
 
+SEED_MAX = 2**64 - 1  # a seed is a 64-bit unsigned integer (torch.Generator.manual_seed)
+
 
 def option_group(group: type, argument: str, **defaults):
     """Decorator: add the dataclass `group`'s fields as options of the command, collected into `argument`.

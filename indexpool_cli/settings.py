@@ -40,8 +40,12 @@ def config_path() -> Path:
 
 def default_map(group, path: Path | None = None) -> dict:
     """Click's default_map (command -> option -> value) from the config file; {} when there is none."""
+    named = path is not None or bool(os.environ.get("INDEXPOOL_CONFIG"))
     path = path or config_path()
     if not path.is_file():
+        if named:  # a file asked for by name that is not there is a mistake, not "no defaults"
+            what = "not a regular file" if path.exists() else "not found"
+            raise ConfigError(f"config file {path}: {what} (INDEXPOOL_CONFIG names it; unset it for no config file)")
         return {}
     try:
         data = tomllib.loads(path.read_text())
@@ -57,24 +61,33 @@ def default_map(group, path: Path | None = None) -> dict:
         if isinstance(table, dict):
             if name not in commands:
                 raise ConfigError(f"{path}: [{name}] is not a command ({', '.join(sorted(commands))})")
-            if unknown := sorted(set(table) - commands[name]):
+            if unknown := sorted(set(table) - commands[name].keys()):
                 raise ConfigError(f"{path}: [{name}] has no option {', '.join(unknown)}")
     for name, params in commands.items():
-        values = {k: v for k, v in common.items() if k in params} | data.get(name, {})
+        values = {params[k]: v for k, v in common.items() if k in params} | \
+            {params[k]: v for k, v in data.get(name, {}).items()}
         if values:
             _place(result, name, values)
     return result
 
 
-def _commands(group, prefix: str = "") -> dict[str, set[str]]:
-    """Every command (nested ones as "cache.list") with the names of its options."""
+def _commands(group, prefix: str = "") -> dict[str, dict[str, str]]:
+    """Every command (nested ones as "cache.list") with its options: the names a config file may give each (its
+    long option's with underscores, `json` for --json, or its parameter's, `json_out`), to its parameter's name."""
     found = {}
     for name, command in group.commands.items():
         if hasattr(command, "commands"):  # a group
             found.update(_commands(command, f"{prefix}{name}."))
-        else:
+            continue
+        names: dict[str, str] = {}
+        for param in command.params:
             # param_type_name, not isinstance: typer may bring its own copy of click's classes
-            found[prefix + name] = {p.name for p in command.params if p.param_type_name == "option"}
+            if param.param_type_name == "option":
+                names[param.name] = param.name
+                for option in param.opts:
+                    if option.startswith("--"):
+                        names.setdefault(option[2:].replace("-", "_"), param.name)
+        found[prefix + name] = names
     return found
 
 

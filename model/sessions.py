@@ -51,9 +51,15 @@ def default_indexer(options: SessionOptions, loaded,
     if kind in ("auto", "training-free", "hybrid"):  # auto: hybrid, or training-free alone (segment_indexer)
         projection = None
         if options.prune_index is not False:  # on unless turned off: recall as whole keys, decode at 128K 17% faster
+            import torch
+
             from .index_pruning import pruning_projection
 
-            projection = pruning_projection(loaded, calibrating=calibrating, calibrate_now=calibrate_now)
+            # A CPU emulates fp16 arithmetic: there the calibration's dense read of 8K tokens takes minutes (seconds
+            # in bf16 or fp32), so it runs only when --prune-index asks for it; until then the keys stay whole.
+            emulated = loaded.model.dtype == torch.float16 and loaded.model.device.type == "cpu"
+            projection = pruning_projection(loaded, calibrating=calibrating,
+                                            calibrate_now=calibrate_now and (bool(options.prune_index) or not emulated))
         return TrainingFreeIndexer(loaded.config, options.indexpool.kpool, loaded.model.device,
                                    projection, options.indexpool.far_distances())
     if options.prune_index:

@@ -278,10 +278,15 @@ def test_defaults_from_the_config_file_and_the_environment(tmp_path):
     result = json.loads(ok(indexpool("complete", "--json", "--quiet", "Once upon a time",
                                      env=cli_env(INDEXPOOL_CONFIG=str(config), INDEXPOOL_COMPLETE_MAX_NEW_TOKENS="1"))))
     assert result["new_tokens"] == 1  # the environment beats the file
+    config.write_text('[complete]\njson = true\nmax_new_tokens = 2\n')  # an option's own name: --json's parameter is json_out
+    assert json.loads(ok(indexpool("complete", "--quiet", "Once", env=cli_env(INDEXPOOL_CONFIG=str(config)))))["new_tokens"] <= 2
     config.write_text('[complete]\nmax_new_tokenz = 3\n')
     proc = indexpool("complete", "hello", env=cli_env(INDEXPOOL_CONFIG=str(config)))
     line = assert_error(proc, 2)
     assert "max_new_tokenz" in line
+    for named, says in ((tmp_path / "missing.toml", "not found"), (tmp_path, "not a regular file")):
+        line = assert_error(indexpool("complete", "hello", env=cli_env(INDEXPOOL_CONFIG=str(named))), 2)
+        assert f"config file {named}: {says}" in line
 
 
 def test_chat_about_a_document_reads_it_once(report):

@@ -23,6 +23,8 @@ from test_cli import INDEXPOOL, TIMEOUT, assert_error, cli_env, indexpool
     (["cache", "list", "extra"], "unexpected extra argument"),
     (["complete", "--threads", "100", "hi"], "--threads 100 is out of range: give 1 to 64"),
     (["complete", "--threads", "0", "hi"], "--threads 0 is out of range"),
+    (["complete", "--seed", str(2**64), "hi"], "'--seed': Input should be less than or equal to 18446744073709551615"),
+    (["ask", "x.txt", "q", "--seed", "-1"], "'--seed': Input should be greater than or equal to 0"),
 ])
 def test_usage_errors_are_one_line(args, says):
     assert says.lower() in assert_error(indexpool(*args), 2).lower()
@@ -94,3 +96,23 @@ def test_endless_stdin_is_refused_at_its_cap(monkeypatch):
     assert console.read_message(lines) == ""
     with pytest.raises(console.InputError, match="not valid UTF-8"):
         console.read_message(io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), encoding="utf-8"))
+
+
+def test_cache_commands_end_quietly_when_the_reader_is_gone(tmp_path):
+    """`indexpool cache list | true`: its output meets a pipe already closed, and it exits 0 with nothing on stderr,
+    as the other commands do (click's own handler would exit 1)."""
+    import os
+
+    import torch
+
+    from indexpool.model.tensor_cache import TensorCache
+
+    TensorCache(tmp_path).save("0" * 32, [1, 2, 3], {"x": torch.zeros(4)}, "a document")
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([str(INDEXPOOL), "cache", "list", "--cache-dir", str(tmp_path)], stdin=subprocess.DEVNULL,
+                              stdout=write_end, stderr=subprocess.PIPE, env=cli_env(), timeout=TIMEOUT)
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (0, b"")

@@ -6,6 +6,8 @@ template and generation config). The model's own DSA attention serves every comm
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,6 +123,11 @@ def test_info_config_errors(tmp_path):
     line = assert_error(indexpool("info", "--config", str(bad)), 3)
     assert "not a glm5_next config" in line and "model_type" in line
     assert_error(indexpool("info", "--config", str(tmp_path / "missing.json")), 3)
+    (tmp_path / "list.json").write_text("[1, 2]")
+    assert "its JSON is not an object" in assert_error(indexpool("info", "--config", str(tmp_path / "list.json")), 3)
+    os.mkfifo(tmp_path / "fifo.json")  # would block the read, as /dev/zero would never end it
+    for special in (tmp_path / "fifo.json", Path("/dev/zero")):
+        assert "is not a regular file" in assert_error(indexpool("info", "--config", str(special)), 3)
     for args in (["--model", str(tmp_path)], ["--tokens", "1M,lots"]):
         proc = indexpool("info", "--config", str(bad), *args)
         assert proc.returncode == 2 and b"Traceback" not in proc.stderr and proc.stdout == b""

@@ -519,3 +519,23 @@ def test_glm5_next_config_of_the_wrong_shape_is_one_line_error(tmp_path, config,
     folder = hf_directory(tmp_path, config=json.dumps({"model_type": "glm5_next", "index_kpool": 4,
                                                         **config}).encode())
     expect_load_error(folder, f"{folder / 'config.json'}: {message}")
+
+
+def test_control_characters_in_file_names_are_escaped_where_shown(tmp_path):
+    """A file name holding an escape sequence or a line break is shown escaped (its header, citations, notes of
+    files skipped), so it cannot recolour a terminal or split a "Sources:" line; each part keeps the real path as
+    its source."""
+    red, broken, empty = "\x1b[31mred.txt", "new\nline.txt", "\x07bell.txt"
+    (tmp_path / red).write_text("The retry policy is configured in settings.\n")
+    (tmp_path / broken).write_text("Other notes.\n")
+    (tmp_path / empty).write_text("")
+    folder = load_document([str(tmp_path)])
+    single = load_document([str(tmp_path / red)])
+    parts = folder.parts + single.parts
+    assert sorted(part.source for part in folder.parts) == sorted([broken, red])
+    assert single.parts[0].source == str(tmp_path / red)
+    for part in parts:
+        assert part.cite.isprintable() and part.text.split("\n")[0].isprintable()
+    assert any("\\x1b[31mred.txt" in part.cite for part in folder.parts)
+    assert any("new\\nline.txt" in part.cite for part in folder.parts)
+    assert [name for name, _ in folder.skipped] == ["\\x07bell.txt"]

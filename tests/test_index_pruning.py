@@ -126,3 +126,37 @@ def test_prune_index_on_the_command_line(tmp_path):
     refused = indexpool("ask", str(report), QUESTION, "--prune-index", "--indexer", "trained")  # a usage error
     assert refused.returncode == 2 and b"Traceback" not in refused.stderr
     assert b"--prune-index applies to the training-free indexer" in refused.stderr
+
+
+def test_fp16_on_a_cpu_calibrates_only_when_asked(tmp_path, monkeypatch):
+    """A CPU emulates fp16, where the calibration's dense read takes minutes: the default keeps whole keys there
+    (and calibrates in bf16 and fp32); --prune-index still calibrates."""
+    from types import SimpleNamespace
+
+    from indexpool.model import index_pruning
+    from indexpool.model.sessions import SessionOptions, default_indexer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no projection kept from before
+    calibrated = []
+
+    def calibrate_stub(model, tokens, share):
+        calibrated.append(model.dtype)
+        return torch.linalg.qr(torch.randn(CONFIG.n_layers, KV_DIM, KV_DIM)).Q[..., :4], [4] * CONFIG.n_layers
+
+    monkeypatch.setattr(index_pruning, "calibrate", calibrate_stub)
+    monkeypatch.setattr("indexpool.model.indexer_training.calibration_text", lambda: "a few words")
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"weights")
+
+    def loaded(dtype):
+        model = SimpleNamespace(dtype=dtype, device=torch.device("cpu"))
+        tokenizer = SimpleNamespace(encode=lambda text: [1, 2, 3])
+        return SimpleNamespace(config=CONFIG, model=model, source=source, file_bytes=7, name=f"tiny {dtype}",
+                               tokenizer=tokenizer)
+
+    whole = default_indexer(SessionOptions(), loaded(torch.float16))
+    assert calibrated == [] and whole.projection is None and whole.key_dim == KV_DIM
+    asked = default_indexer(SessionOptions(prune_index=True), loaded(torch.float16))
+    assert calibrated == [torch.float16] and asked.key_dim == 4
+    pruned = default_indexer(SessionOptions(), loaded(torch.bfloat16))
+    assert calibrated == [torch.float16, torch.bfloat16] and pruned.key_dim == 4

@@ -114,6 +114,10 @@ def test_pdf_that_is_not_a_pdf(workdir):
     message = str(caught.value)
     assert message.startswith("broken.pdf is not a readable PDF (") and message.endswith("): repair or re-export it")
     assert "\n" not in message and caught.value.exit_code == 3
+    (workdir / "notes.pdf").write_text("Plain notes, named as a PDF.\n")  # no PDF header at all: said so
+    expect_error(["notes.pdf"], "notes.pdf is not a PDF (no PDF header): give --format text (or another --format) "
+                                "to read it as what it is")
+    assert "Plain notes, named as a PDF." in load_document(["notes.pdf"], IngestOptions(format="text")).text
 
 
 def test_pdf_from_stdin_is_recognised_by_its_content():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,6 +313,10 @@ def test_command_usage_and_input_errors(distill_app, tmp_path):
     assert result.exit_code == 2 and "context must exceed" in result.output
     result = runner.invoke(distill_app, ["--text", str(tmp_path / "missing.txt")])
     assert isinstance(result.exception, InputError) and "text file not found" in str(result.exception)
+    os.mkfifo(tmp_path / "fifo.txt")  # would block the read, as /dev/zero would never end it
+    for special in (tmp_path / "fifo.txt", Path("/dev/zero")):
+        result = runner.invoke(distill_app, ["--text", str(special)])
+        assert isinstance(result.exception, InputError) and "is not a regular file" in str(result.exception)
 
 
 def test_command_distills_a_tiny_model_end_to_end(distill_app, tmp_path, default_gguf_metadata):
@@ -333,6 +339,13 @@ def test_command_distills_a_tiny_model_end_to_end(distill_app, tmp_path, default
     indexer = LightningIndexer.load(out)
     assert (indexer.key_dim, indexer.heads) == (8, 2)
     assert (indexer.config.model.name, indexer.config.model.file_bytes) == ("tiny-test", gguf.stat().st_size)
+    from indexpool.console import InputError
+
+    # An --out that cannot be written is refused before the training run, not after it.
+    for bad, why in ((out.parent, "is a directory"), (text / "x.safetensors", "is not a directory")):
+        result = CliRunner().invoke(distill_app, args[:5] + [str(bad)] + args[6:])
+        assert isinstance(result.exception, InputError) and why in str(result.exception)
+        assert "validation KL" not in result.output
 
 
 def test_hybrid_indexer_on_the_command_line(tmp_path):

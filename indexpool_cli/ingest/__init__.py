@@ -121,12 +121,13 @@ def load_document(paths: Sequence[str], options: IngestOptions = IngestOptions()
             document.parts += read_folder(path, prefix, options, document.skipped, document.notes)
             continue
         else:
-            name = os.path.normpath(path)
-            extension = os.path.splitext(name)[1].lower()
+            source = os.path.normpath(path)
+            name = printable(source)  # as messages and citations show it: a control character in it escaped
+            extension = os.path.splitext(source)[1].lower()
             if options.format == "auto" and extension in _UNSUPPORTED_HINT:
                 raise IngestError(f"{name}: {extension} files are not supported: {_UNSUPPORTED_HINT[extension]}")
             data = _read_file(path, name, options.max_input_bytes)
-            kind, parts = _read_input(data, name, name, extension, options, document.notes)
+            kind, parts = _read_input(data, name, source, extension, options, document.notes)
         if len(paths) > 1 and kind in ("pdf", "epub", "chat"):
             # Their markers do not name the file (text and code ones do): with several inputs, say which begins.
             parts[0] = dataclasses.replace(parts[0], text=f"=== {name} ===\n{parts[0].text}")

@@ -91,7 +91,7 @@ class _FolderWalk:
     def __init__(self, root: str, prefix: str, options: IngestOptions, skipped: list[tuple[str, str]],
                  notes: list[str]) -> None:
         self.root_real = os.path.realpath(root)
-        self.root_name = os.path.normpath(root)
+        self.root_name = printable(os.path.normpath(root))
         self.prefix = prefix
         self.options = options
         self.skipped = skipped
@@ -102,7 +102,7 @@ class _FolderWalk:
         self.ignore_rules = 0
 
     def skip(self, rel: str, reason: str) -> None:
-        self.skipped.append((self.prefix + rel, reason))
+        self.skipped.append((printable(self.prefix + rel), reason))
 
     def visit(self, folder: str, folder_rel: str, ignore_specs: list[tuple[str, pathspec.PathSpec]],
               depth: int) -> None:
@@ -167,7 +167,7 @@ class _FolderWalk:
         """The rules of the folder's .gitignore: only a regular file, as git reads it (not through a symlink), up
         to the per-file limit, while the walk's rules stay within MAX_IGNORE_RULES. One that is there but not
         applied, or rules left out of it, are noted, since what they would leave out is read."""
-        shown = f"{self.root_name}: {self.prefix}{printable(folder_rel)}.gitignore"
+        shown = f"{self.root_name}: {printable(self.prefix + folder_rel)}.gitignore"
         try:
             data = read_regular_file(os.path.join(folder, ".gitignore"), self.options.max_file_bytes,
                                      follow_symlinks=False)
@@ -206,7 +206,7 @@ class _FolderWalk:
         if self.total_bytes + info.st_size > self.options.max_total_bytes:
             limit = size_text(self.options.max_total_bytes)
             self.skip(rel, f"total limit reached ({limit}): this and later files not read")
-            self.notes.append(f"{self.root_name}: stopped at {self.prefix}{rel}: the folder is over {limit} "
+            self.notes.append(f"{self.root_name}: stopped at {printable(self.prefix + rel)}: the folder is over {limit} "
                               f"(max_total_bytes)")
             raise _TotalLimitReached
         try:
@@ -231,7 +231,7 @@ class _FolderWalk:
             self.skip(rel, "undecodable")
             return
         self.total_bytes += len(data)
-        self.parts += code_parts(text, self.prefix + rel, self.prefix + rel)
+        self.parts += code_parts(text, printable(self.prefix + rel), self.prefix + rel)  # named as shown, kept as is
 
 
 def _ignore_spec(lines: list[str]) -> tuple[pathspec.PathSpec, int]:

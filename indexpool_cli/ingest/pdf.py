@@ -96,6 +96,9 @@ def _read_pdf(data: bytes, name: str, source: str, pages: str | None, password: 
     except DependencyError:
         raise IngestError(f"{name} is encrypted with AES: install the 'cryptography' package to read it") from None
     except Exception as e:  # pypdf raises many kinds of error on a malformed file, not only PyPdfError
+        if b"%PDF-" not in data[:1024]:  # where a PDF's header may lie: only its name says PDF
+            raise IngestError(f"{name} is not a PDF (no PDF header): give --format text (or another --format) to "
+                              f"read it as what it is") from None
         raise IngestError(f"{name} is not a readable PDF ({error_text(e)}): repair or re-export it") from None
     parts = []
     without_text = []
