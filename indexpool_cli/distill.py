@@ -90,16 +90,15 @@ def distill(
 def _read_text(path: Path) -> str:
     """A --text file, whole: a regular file of at most the size any one input may be (a pipe or a device would
     block the read or never end it)."""
-    from .ingest import IngestOptions, OverLimit, read_at_most, size_text
+    from .ingest import IngestOptions, NotRegularFile, OverLimit, read_regular_file, size_text
 
-    if not path.exists():
-        raise InputError(f"text file not found: {path}")
-    if not path.is_file():
-        raise InputError(f"{path} is not a regular file: give --text a text file")
     limit = IngestOptions.max_input_bytes
     try:
-        with open(path, "rb") as f:
-            data = read_at_most(f, limit, os.fstat(f.fileno()).st_size)
+        data = read_regular_file(str(path), limit)
+    except FileNotFoundError:
+        raise InputError(f"text file not found: {path}") from None
+    except NotRegularFile as e:
+        raise InputError(f"{path} is not a regular file ({e.args[0]}): give --text a text file") from None
     except OverLimit:
         raise InputError(f"{path} holds over {size_text(limit)}, the most one text may: split it") from None
     except OSError as e:

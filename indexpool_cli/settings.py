@@ -38,12 +38,11 @@ def config_path() -> Path:
     return Path(base) / "indexpool" / "config.toml"
 
 
-def default_map(group, path: Path | None = None) -> dict:
+def default_map(group) -> dict:
     """Click's default_map (command -> option -> value) from the config file; {} when there is none."""
-    named = path is not None or bool(os.environ.get("INDEXPOOL_CONFIG"))
-    path = path or config_path()
+    path = config_path()
     if not path.is_file():
-        if named:  # a file asked for by name that is not there is a mistake, not "no defaults"
+        if os.environ.get("INDEXPOOL_CONFIG"):  # a file asked for by name that is not there is a mistake
             what = "not a regular file" if path.exists() else "not found"
             raise ConfigError(f"config file {path}: {what} (INDEXPOOL_CONFIG names it; unset it for no config file)")
         return {}

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager
 
+import torch
+
 from .errors import InputError, SettingsError
 from .indexpool_cache import INDEX_DTYPES, KV_STORAGE, IndexPoolConfig
 
@@ -51,8 +53,6 @@ def default_indexer(options: SessionOptions, loaded,
     if kind in ("auto", "training-free", "hybrid"):  # auto: hybrid, or training-free alone (segment_indexer)
         projection = None
         if options.prune_index is not False:  # on unless turned off: recall as whole keys, decode at 128K 17% faster
-            import torch
-
             from .index_pruning import pruning_projection
 
             # A CPU emulates fp16 arithmetic: there the calibration's dense read of 8K tokens takes minutes (seconds
