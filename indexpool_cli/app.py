@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -19,12 +20,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from indexpool.model.errors import ModelLoadError, SettingsError
+from indexpool.model.errors import ModelLoadError, ModelOutputError, SettingsError
 
 from .attention import AttentionChoice, attention_options, calibrating
-from .console import InputError, err_console, fail, prefill_progress, read_message, read_text_input, show_stats
+from .console import GuardedStdout, InputError, OutputError, err_console, fail, hint_terminal_stdin, prefill_progress, read_message, read_text_input, show_stats
 from .ingest import IngestError
-from .options import SEED_MAX, option_group
+from .options import SEED_MAX, finite, option_group
 from .remote import RemoteError
 
 app = typer.Typer(
@@ -85,9 +86,9 @@ class RunChoice:
 
 @dataclass
 class SamplingChoice:
-    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 for greedy decoding.")] = 0.7
+    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, callback=finite, help="0 for greedy decoding.")] = 0.7
     top_k: Annotated[int, typer.Option("--top-k", min=0, help="Sample from the k most likely tokens (0: all).")] = 40
-    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (1: off).")] = 0.95
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, callback=finite, help="Nucleus sampling mass (1: off).")] = 0.95
     seed: Annotated[Optional[int], typer.Option("--seed", min=0, max=SEED_MAX, help="Seed for reproducible sampling (0 to 2**64-1).")] = None
 
     def sampler(self):
@@ -114,6 +115,8 @@ class DocumentChoice:
 
         options = IngestOptions(pages=self.pages, password=self.password, format=self.input_format,
                                 include_hidden=self.include_hidden)
+        if "-" in paths:
+            hint_terminal_stdin()
         document = load_document(paths, options)
         if not document.parts:
             raise InputError(f"nothing to read in {', '.join(paths)}")
@@ -142,7 +145,7 @@ class RemoteChoice:
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar=["INDEXPOOL_API_KEY", "OPENAI_API_KEY"], show_default=False, help="--backend openai: the server's API key.")] = None
     model_name: Annotated[Optional[str], typer.Option("--model-name", help="--backend openai: the served model to use (default: the one the server lists first).")] = None
     max_concurrency: Annotated[int, typer.Option("--max-concurrency", min=1, help="--backend openai: most requests in flight at once.")] = 4
-    timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="--backend openai: seconds a request may take in all, its retries and their waits included.")] = 600.0
+    timeout: Annotated[float, typer.Option("--timeout", min=0.1, callback=finite, help="--backend openai: seconds a request may take in all, its retries and their waits included.")] = 600.0
     retries: Annotated[int, typer.Option("--retries", min=0, help="--backend openai: retries of a request after a connection error or a busy server (429/503), with backoff.")] = 3
     context_length: Annotated[Optional[int], typer.Option("--context-length", min=1, help="--backend openai: the server's context in tokens, where it does not report it (vLLM and SGLang do).")] = None
 
@@ -433,6 +436,9 @@ def summarize(
                    out.on_text, document.results())
 
 
+CHAT_COMMAND = re.compile(r"/[A-Za-z]+")  # a line that can only be meant as a chat command
+
+
 @command
 @attention_options
 @option_group(DocumentChoice, "document")
@@ -471,6 +477,10 @@ def chat(
             break
         if line == "/reset":
             conversation.reset()
+            continue
+        if CHAT_COMMAND.fullmatch(line):  # a mistyped command is not a message to the model
+            err_console.print(f"indexpool: {line}: the chat's commands are /reset (start over) and /exit (or Ctrl-D); "
+                              "a message of one word starting with / needs a second word", markup=False, soft_wrap=True)
             continue
         reply = conversation.say(line, max_new_tokens, None if run.json_out else _write_stdout)
         name = conversation.backend.name
@@ -620,9 +630,12 @@ def _token_counts(text: str) -> list[int]:
                   for t in text.replace(" ", "").split(",")]
     except ValueError:
         counts = []
-    if not counts or min(counts) < 1:
-        raise typer.BadParameter(f"--tokens takes token counts like 131072,1M, not {text!r}")
+    if not counts or min(counts) < 1 or max(counts) > MAX_TABLE_TOKENS:
+        raise typer.BadParameter(f"--tokens takes token counts from 1 to 1024M like 131072,1M, not {text!r}")
     return counts
+
+
+MAX_TABLE_TOKENS = 1 << 30  # 1024M: a thousand times the longest context IndexPool is built for; more is a typo
 
 
 def _print_facts(facts: dict, json_out: bool) -> None:
@@ -794,9 +807,43 @@ from .distill import distill  # noqa: E402  (the command's heavy imports happen 
 command(distill)
 
 
+def _given_by(e) -> str:
+    """Where a refused value came from when the command line did not give it: ' (from the environment variable X)'
+    or ' (from the config file F)'; '' otherwise."""
+    from .settings import config_path
+
+    ctx, param = e.ctx, getattr(e, "param", None)  # an unknown option's error has no parameter
+    if ctx is None or param is None or not param.name:
+        return ""
+    source = ctx.get_parameter_source(param.name)
+    if source is not None and source.name == "ENVIRONMENT":
+        names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or [])
+        if ctx.auto_envvar_prefix:
+            names.append(f"{ctx.auto_envvar_prefix}_{param.name.upper()}")
+        given = next((n for n in names if os.environ.get(n)), None)
+        return f" (from the environment variable {given})" if given else " (from the environment)"
+    if source is not None and source.name == "DEFAULT_MAP":
+        return f" (from the config file {config_path()})"
+    return ""
+
+
 def main() -> None:
     """Run the command line with one error path: every failure ends as one line `indexpool: error: ...` with its
     exit code (usage 2, bad input 3, runtime 1, interrupted 130), Click's usage errors included."""
+    if sys.stdin is None:  # started with stdin closed (`<&-`): reading it gives no input, as from /dev/null
+        sys.stdin = open(os.devnull)
+    if sys.stdout is None:
+        fail("standard output is closed (`>&-`); send it to a file or to /dev/null", code=2)
+    stdout = sys.stdout
+    sys.stdout = GuardedStdout(stdout)
+    try:
+        _run()
+    finally:
+        sys.stdout = stdout
+
+
+def _run() -> None:
+    """The command, each failure mapped to its line and exit code (`main`)."""
     import typer.main
 
     from .settings import ConfigError, default_map
@@ -804,11 +851,6 @@ def main() -> None:
     # Click's exception classes as the installed typer raises them (its own copy of click in recent versions)
     usage_error, click_exception = typer.BadParameter.__mro__[1:3]
     help_only = getattr(sys.modules[usage_error.__module__], "NoArgsIsHelpError", ())  # a group run bare
-
-    if sys.stdin is None:  # started with stdin closed (`<&-`): reading it gives no input, as from /dev/null
-        sys.stdin = open(os.devnull)
-    if sys.stdout is None:
-        fail("standard output is closed (`>&-`); send it to a file or to /dev/null", code=2)
     try:
         group = typer.main.get_command(app)
         try:
@@ -817,21 +859,25 @@ def main() -> None:
             fail(str(e), code=2)
         code = group.main(prog_name="indexpool", default_map=defaults, auto_envvar_prefix="INDEXPOOL",
                           standalone_mode=False)
+        sys.stdout.flush()  # here, where a full disk's error is reported, not at exit
     except help_only as e:
         err_console.print(e.format_message(), markup=False, highlight=False)
         sys.exit(2)
     except usage_error as e:
         where = e.ctx.command_path if e.ctx else "indexpool"
-        fail(f"{' '.join(e.format_message().split())} (see '{where} --help')", code=2)
+        fail(f"{' '.join(e.format_message().split())}{_given_by(e)} (see '{where} --help')", code=2)
     except click_exception as e:
         fail(" ".join(e.format_message().split()), code=e.exit_code)
     except typer.Abort:  # end of input at a prompt
         fail("interrupted", code=130)
     except SettingsError as e:  # a setting the engine cannot run with: a usage error
         fail(str(e), code=2)
-    except (ModelLoadError, InputError, IngestError) as e:
+    except (ModelLoadError, ModelOutputError, InputError, IngestError) as e:
         fail(str(e), code=3)
     except RemoteError as e:
+        fail(str(e), code=1)
+    except OutputError as e:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere at exit
         fail(str(e), code=1)
     except RecursionError:
         fail("the input is nested too deeply to read", code=3)

@@ -30,6 +30,39 @@ def read_message(stream) -> str:
     return line
 
 
+class OutputError(Exception):
+    """Standard output refused what was written: a full disk or a device error under `> file`."""
+
+
+class GuardedStdout:
+    """sys.stdout whose write errors say they are standard output's (OutputError); a reader gone away
+    (BrokenPipeError) passes unchanged, as it ends a command quietly."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        with self._named_errors():
+            return self.stream.write(text)
+
+    def flush(self) -> None:
+        with self._named_errors():
+            self.stream.flush()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _named_errors():
+        try:
+            yield
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise OutputError(f"cannot write to standard output: {e.strerror or e}") from None
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def fail(message: str, code: int) -> NoReturn:
     """One line on stderr (none when stderr is closed), then exit with `code`."""
     if sys.stderr is not None:
@@ -38,12 +71,21 @@ def fail(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
+def hint_terminal_stdin() -> None:
+    """Before stdin is read from a terminal (`ask - "question"` typed as is), say so on stderr, when that is a
+    terminal too: the command waits for typed text, which would otherwise look like a hang."""
+    if sys.stdin.isatty() and err_console.is_terminal:
+        err_console.print("[dim]reading stdin from the terminal: type or paste the text, then Ctrl-D on a line of its "
+                          "own[/dim]")
+
+
 def read_text_input(argument: str | None) -> str:
     """The prompt argument, or stdin when the argument is '-' or absent and stdin is not a terminal."""
     if argument is not None and argument != "-":
         return argument
     if argument is None and sys.stdin.isatty():
         raise InputError("no input: give the text as an argument, or '-' / a pipe to read stdin")
+    hint_terminal_stdin()
     from .ingest import IngestOptions, OverLimit, read_at_most, size_text
 
     limit = IngestOptions.max_input_bytes

@@ -6,9 +6,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import typing
 
+import typer
+
 SEED_MAX = 2**64 - 1  # a seed is a 64-bit unsigned integer (torch.Generator.manual_seed)
+
+
+def finite(value: float | None) -> float | None:
+    """Callback of a float option: inf and nan are refused (nan passes a range check, being neither below nor
+    above a bound)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
 
 
 def option_group(group: type, argument: str, **defaults):

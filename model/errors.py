@@ -12,3 +12,8 @@ class InputError(Exception):
 
 class SettingsError(ValueError):
     """A setting the engine cannot run with (an attention mode, an index dtype, IndexPool's knobs)."""
+
+
+class ModelOutputError(Exception):
+    """The model computed logits that are not numbers (NaN or infinity): weights that hold them, or a dtype too
+    narrow for the model's activations."""

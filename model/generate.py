@@ -10,6 +10,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from .errors import ModelOutputError
 from .indexers import Indexer, TrainingFreeIndexer
 from .indexpool_branches import IndexPoolBranches, max_branch_tokens
 from .indexpool_cache import AttentionEvidence, IndexPoolCache, IndexPoolConfig
@@ -44,7 +45,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
         if p.temperature == 0:
-            return logits.argmax(dim=-1)
+            picked = logits.argmax(dim=-1)
+            _check_finite(logits.gather(-1, picked[..., None]))  # argmax ranks NaN first: one value tells
+            return picked
         # With top_k the draw is among the k best tokens only, the temperature applied to them alone (the ranking
         # is the same): softmax, sort and draw over a 128K vocabulary took 10 ms a token, a fifth of a 1B model's
         # step on a CPU, and an operation over the whole vocabulary leaves torch's threads spinning, which slowed
@@ -52,7 +55,9 @@ class Sampler:
         candidates = None  # the vocabulary ids of `logits`' columns, when they are a ranked subset
         if 0 < p.top_k < logits.shape[-1]:
             logits, candidates = torch.topk(logits, p.top_k, dim=-1)
-        logits = logits / p.temperature
+        best = logits.amax(dim=-1, keepdim=True)
+        _check_finite(best)
+        logits = (logits - best) / p.temperature  # the best at 0: a tiny temperature cannot overflow to inf - inf
         if p.top_p < 1:
             if candidates is None:
                 logits, candidates = torch.sort(logits, dim=-1, descending=True)
@@ -61,6 +66,13 @@ class Sampler:
             logits = logits.masked_fill((probs.cumsum(dim=-1) - probs) >= p.top_p, float("-inf"))
         drawn = torch.multinomial(logits.softmax(dim=-1), 1, generator=self.generator)
         return (drawn if candidates is None else candidates.gather(-1, drawn)).squeeze(-1)
+
+
+def _check_finite(best: torch.Tensor) -> None:
+    """ModelOutputError unless every row's best logit is a finite number (max and argmax both rank NaN first)."""
+    if not bool(torch.isfinite(best).all()):
+        raise ModelOutputError("the model computed logits that are not numbers (NaN or inf): its weights hold such "
+                               "values, or the dtype overflows; try --dtype fp32, or another copy of the model")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

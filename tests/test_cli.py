@@ -7,6 +7,7 @@ and shared by the tests that look at them."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -14,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -309,6 +311,58 @@ def test_bad_indexpool_settings_are_usage_errors():
 
 def test_bad_option_is_a_usage_error():
     assert "--temperature" in assert_error(indexpool("complete", "--temperature", "-1", "hello"), 2)
+    for command, option, value in (("complete", "--temperature", "inf"), ("ask", "--timeout", "inf"),
+                                   ("complete", "--temperature", "nan"), ("complete", "--top-p", "nan")):
+        line = assert_error(indexpool(command, *(["notes.txt"] if command == "ask" else []), "question", option, value), 2)
+        assert option in line and (value == "nan" or "not a finite number" in line), line  # inf has no maximum to pass
+    line = assert_error(indexpool("info", "--tokens", "2000M"), 2)
+    assert "1024M" in line, line
+
+
+def test_a_full_disk_under_stdout_is_one_line_naming_it():
+    with open("/dev/full", "wb") as full:
+        proc = subprocess.run([str(INDEXPOOL), "complete", *GREEDY, PROMPT], stdout=full, stderr=subprocess.PIPE,
+                              env=cli_env(), timeout=TIMEOUT)
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 1, stderr
+    assert stderr == "indexpool: error: cannot write to standard output: No space left on device\n"
+
+
+def test_chat_refuses_a_mistyped_command_without_sending_it():
+    proc = indexpool("chat", *GREEDY, stdin=b"/hepl\n/exit\nnot read\n")
+    assert proc.returncode == 0 and proc.stdout == b""
+    assert proc.stderr.decode() == ("indexpool: /hepl: the chat's commands are /reset (start over) and /exit (or "
+                                    "Ctrl-D); a message of one word starting with / needs a second word\n")
+
+
+def test_stdin_from_a_terminal_is_announced_before_it_is_read():
+    """`complete -` typed at a terminal waits for text: a hint on stderr says so, then the typed text is read."""
+    import pty
+    import select
+
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen([str(INDEXPOOL), "complete", "-", "--temperature", "0", "-n", "2"], stdin=terminal,
+                            stdout=subprocess.PIPE, stderr=terminal, env=cli_env(TERM="dumb"))
+    os.close(terminal)
+    seen = b""
+    try:
+        while b"Ctrl-D" not in seen:
+            ready, _, _ = select.select([controller], [], [], 120)
+            assert ready, seen
+            seen += os.read(controller, 4096)
+        os.write(controller, b"Once upon a time\n\x04")  # one Ctrl-D ends the input, as at any Unix command
+        deadline = time.monotonic() + 600  # a guard against a command still waiting for input, not a speed check
+        while proc.poll() is None:  # the terminal's output is read, or a full buffer would stop the command
+            assert time.monotonic() < deadline, seen
+            if select.select([controller], [], [], 1)[0]:
+                with contextlib.suppress(OSError):  # the command ended: the terminal is closed
+                    seen += os.read(controller, 4096)
+        out = proc.stdout.read()
+    finally:
+        proc.kill()
+        os.close(controller)
+    assert b"reading stdin from the terminal" in seen
+    assert proc.returncode == 0 and out.strip(), seen
 
 
 def test_bad_choices_are_usage_errors():

@@ -284,6 +284,13 @@ def test_defaults_from_the_config_file_and_the_environment(tmp_path):
     proc = indexpool("complete", "hello", env=cli_env(INDEXPOOL_CONFIG=str(config)))
     line = assert_error(proc, 2)
     assert "max_new_tokenz" in line
+    config.write_text('[complete]\nmax_new_tokens = "lots"\n')  # a bad value says where it was given
+    line = assert_error(indexpool("complete", "hello", env=cli_env(INDEXPOOL_CONFIG=str(config))), 2)
+    assert f"(from the config file {config})" in line, line
+    line = assert_error(indexpool("complete", "hello", env=cli_env(INDEXPOOL_COMPLETE_MAX_NEW_TOKENS="lots")), 2)
+    assert "(from the environment variable INDEXPOOL_COMPLETE_MAX_NEW_TOKENS)" in line, line
+    line = assert_error(indexpool("complete", "hello", env=cli_env(INDEXPOOL_THREADS="two")), 2)
+    assert "(from the environment variable INDEXPOOL_THREADS)" in line, line
     for named, says in ((tmp_path / "missing.toml", "not found"), (tmp_path, "not a regular file")):
         line = assert_error(indexpool("complete", "hello", env=cli_env(INDEXPOOL_CONFIG=str(named))), 2)
         assert f"config file {named}: {says}" in line

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from indexpool.kernels.cpu_attention import native_attention_takes
+from indexpool.model.errors import ModelOutputError
 from indexpool.model.generate import GenerationStats, Sampler, SamplingParams, Session
 from indexpool.model.quant import DecodeQuantLinear
 from indexpool.model.runtime import load_engine
@@ -116,6 +117,28 @@ def test_high_temperature_flattens_and_low_sharpens():
     assert share_of_best(0.25) > 0.95
     assert 0.62 < share_of_best(1.0) < 0.72
     assert 0.37 < share_of_best(4.0) < 0.47
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=0.7, top_k=40),
+                                    dict(temperature=0.7, top_k=0, top_p=0.9), dict(temperature=1.0, top_k=0, top_p=1.0)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_logits_that_are_not_numbers_are_a_model_output_error(params, bad):
+    """A model whose weights hold NaN (or whose dtype overflows) fails with one message, in every sampling mode;
+    greedy decoding would otherwise emit the NaN's token and sampling fail inside torch.multinomial."""
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(5))
+    logits[1, 123] = bad
+    with pytest.raises(ModelOutputError, match="not numbers"):
+        Sampler(SamplingParams(**params, seed=0))(logits)
+    logits[1, 123] = 0.0
+    assert Sampler(SamplingParams(**params, seed=0))(logits).shape == (3,)
+
+
+def test_a_tiny_temperature_draws_the_best_token():
+    """Logits divided by a temperature near zero must not overflow into inf - inf (NaN probabilities)."""
+    logits = torch.randn(64, 500, generator=torch.Generator().manual_seed(6)) * 30
+    for top_k in (0, 40):
+        draws = Sampler(SamplingParams(temperature=1e-40, top_k=top_k, top_p=0.95, seed=0))(logits)
+        assert torch.equal(draws, logits.argmax(dim=-1))
 
 
 def test_sampler_seed_reproducible():

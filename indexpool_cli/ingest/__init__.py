@@ -175,9 +175,11 @@ def read_regular_file(path: str, limit: int, follow_symlinks: bool = True) -> by
 def read_at_most(stream: BinaryIO, limit: int, expected: int = 0) -> bytes:
     """What `stream` holds, at most `limit` bytes: OverLimit at one byte past it (an endless stream is not read to
     its end). Read in pieces of the `expected` size or 1 MB, so that a short input does not allocate the whole
-    limit."""
+    limit; each piece is one read of the source (`read1`), so a terminal's Ctrl-D ends the input the first time,
+    where a buffered `read` of a piece would wait for a second one."""
+    read = getattr(stream, "read1", stream.read)
     chunks, total = [], 0
-    while chunk := stream.read(min(max(expected - total, 1 << 20), limit + 1 - total)):
+    while chunk := read(min(max(expected - total, 1 << 20), limit + 1 - total)):
         chunks.append(chunk)
         total += len(chunk)
         if total > limit:
