@@ -88,7 +88,7 @@ class RunChoice:
 class SamplingChoice:
     temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, callback=finite, help="0 for greedy decoding.")] = 0.7
     top_k: Annotated[int, typer.Option("--top-k", min=0, help="Sample from the k most likely tokens (0: all).")] = 40
-    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, callback=finite, help="Nucleus sampling mass (1: off).")] = 0.95
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (1: off).")] = 0.95
     seed: Annotated[Optional[int], typer.Option("--seed", min=0, max=SEED_MAX, help="Seed for reproducible sampling (0 to 2**64-1).")] = None
 
     def sampler(self):

@@ -15,8 +15,7 @@ SEED_MAX = 2**64 - 1  # a seed is a 64-bit unsigned integer (torch.Generator.man
 
 
 def finite(value: float | None) -> float | None:
-    """Callback of a float option: inf and nan are refused (nan passes a range check, being neither below nor
-    above a bound)."""
+    """Callback of a float option without a maximum: inf passes its range check, and is refused here."""
     if value is not None and not math.isfinite(value):
         raise typer.BadParameter(f"{value} is not a finite number")
     return value
