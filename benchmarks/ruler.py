@@ -33,9 +33,9 @@ first read finds the pools it keeps, from the question's tokens only).
     .venv/bin/python -m benchmarks.ruler --lengths 32768,131072 --readers indexpool,window --json ruler.json
     .venv/bin/python -m benchmarks.ruler --haystack haystack.txt --lengths 32768 --tasks niah_single --topk 4096
 
-`--shared-document` (the needle tasks) plants every sample's needles in one document and asks each sample's
-question of it: the document is read once for all of them, which is what makes 10 samples at 1M one read of 1M
-tokens; each question then has the other samples' needles besides its own (harder than a sample alone).
+`--shared-document` (the needle tasks and vt) plants every sample's needles or chains in one document and asks each
+sample's question of it: the document is read once for all of them, which is what makes 10 samples at 1M one read of
+1M tokens; each question then has the other samples' needles or chains besides its own (harder than a sample alone).
 `--haystack FILE` draws the samples from that text (save `common.natural_haystack()` to a file to draw the same
 ones on another machine); `--topk` sets IndexPool's far tokens per query, `--query-topk` those of the question's
 and the answer's queries, `--question-pools` and `--question-matches` the question's pools kept for them (its best
@@ -75,6 +75,7 @@ from indexpool.model.sessions import SessionOptions, default_indexer, describe_i
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
 NIAH_TASKS = TASKS[:4]
+PLANTED_TASKS = TASKS[:5]  # the tasks that plant lines in prose: their samples can share one document
 READERS = ("dense", "indexpool", "window")
 TOLERANCE = 0.01  # a prompt has between (1 - TOLERANCE) * length and length tokens
 MAX_NEW_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "niah_multiquery": 48, "vt": 40,
@@ -112,10 +113,13 @@ class Sample:
 
 
 @dataclass
-class NeedlePlan:
-    """A needle task's sample before its document is written: what it plants and what it asks."""
+class Plan:
+    """A sample of a task that plants lines in prose (a needle task, vt) before its document is written: what it
+    plants where, and what it asks."""
     task: str
-    needles: list[tuple[float, str, str]]  # (depth in [0, 1), key, value), planted in this order
+    intro: str
+    inserts: list[tuple[float, str]]  # (depth in [0, 1), text), planted in this order
+    names: set[str]  # its keys, values and variables: no other sample in a shared document may plant one of them
     question: str
     answer_start: str
     answers: list[str]
@@ -205,34 +209,33 @@ class Generator:
     def samples(self, task: str, length: int, count: int, seed: int, first: int = 0,
                 shared: bool = False) -> list[Sample]:
         """Samples number first .. first + count - 1 of the task, length and seed (each drawn on its own).
-        `shared` (the needle tasks only): one document holds every sample's needles, each sample asking its own
-        question of it; a sample whose keys or values another already has is passed over for the next number."""
+        `shared` (the needle tasks and vt): one document holds every sample's needles or chains, each sample asking
+        its own question of it; a sample whose keys, values or variables another already has is passed over for the
+        next number."""
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
-        if shared and task not in NIAH_TASKS:
-            raise ValueError(f"one shared document holds the needle tasks' samples only ({', '.join(NIAH_TASKS)}), "
-                             f"not {task}'s")
+        if shared and task not in PLANTED_TASKS:
+            raise ValueError(f"one shared document holds the samples of {', '.join(PLANTED_TASKS)} only, not {task}'s")
         build = getattr(self, f"_{task}")
-        if task not in NIAH_TASKS:
+        if task not in PLANTED_TASKS:
             return [dataclasses.replace(build(self._rng(seed, task, length, i), length), number=i)
                     for i in range(first, first + count)]
         if not shared:
-            return [self._niah_document(length, [build(self._rng(seed, task, length, i))], [i])[0]
+            return [self._planted_document(length, [build(self._rng(seed, task, length, i))], [i])[0]
                     for i in range(first, first + count)]
         planted, numbers, taken = [], [], set()
         i = first
         while len(planted) < count:
             if i - first >= 10 * count + 100:
-                raise RuntimeError(f"only {len(planted)} of {count} {task} samples have keys and values of their own "
-                                   f"in one document: ask for fewer --samples")
+                raise RuntimeError(f"only {len(planted)} of {count} {task} samples plant no key, value or variable "
+                                   f"another one plants: ask for fewer --samples")
             plan = build(self._rng(seed, task, length, i))
-            names = {key for _, key, _ in plan.needles} | {value for _, _, value in plan.needles}
-            if not names & taken:
+            if not plan.names & taken:
                 planted.append(plan)
                 numbers.append(i)
-                taken |= names
+                taken |= plan.names
             i += 1
-        return self._niah_document(length, planted, numbers)
+        return self._planted_document(length, planted, numbers)
 
     @staticmethod
     def _rng(seed: int, task: str, length: int, number: int) -> random.Random:
@@ -290,7 +293,7 @@ class Generator:
         return f"One of the special magic numbers for {key} is: {value}. "
 
     def _niah(self, rng: random.Random, task: str, needles: list[tuple[str, str]], asked: list[str],
-              answers: list[str]) -> NeedlePlan:
+              answers: list[str]) -> Plan:
         """`needles` (key, value) at random depths of the prose, `asked` keys asked for, `answers` expected."""
         depths = sorted(rng.random() for _ in needles)
         order = rng.sample(needles, len(needles))
@@ -302,25 +305,25 @@ class Generator:
             every = " all" if len(asked) == 1 else ""  # several values for one key
             question = f"\n\nWhat are{every} the special magic numbers for {keys} mentioned in the text above?"
             answer_start = f"The special magic numbers for {keys} mentioned in the text are"
-        return NeedlePlan(task, [(depth, key, value) for depth, (key, value) in zip(depths, order)], question,
-                          answer_start, answers)
+        return Plan(task, NIAH_INTRO, [(depth, self.needle(key, value)) for depth, (key, value) in zip(depths, order)],
+                    {name for needle in needles for name in needle}, question, answer_start, answers)
 
-    def _niah_document(self, length: int, plans: list[NeedlePlan], numbers: list[int]) -> list[Sample]:
-        """One document holding every plan's needles, and a sample for each plan's question of it (numbered as
+    def _planted_document(self, length: int, plans: list[Plan], numbers: list[int]) -> list[Sample]:
+        """One document holding every plan's inserts, and a sample for each plan's question of it (numbered as
         `numbers` say). Fitted with the longest question, so that every prompt is within the length."""
 
-        def build(size: int, plan: NeedlePlan) -> Sample:
+        def build(size: int, plan: Plan) -> Sample:
             inserts: dict[int, list[str]] = {}
             for each in plans:
-                for depth, key, value in each.needles:
-                    inserts.setdefault(round(depth * size), []).append(self.needle(key, value))
-            return self._sample(plan.task, length, NIAH_INTRO, self.haystack.prose(size, inserts), plan.question,
+                for depth, text in each.inserts:
+                    inserts.setdefault(round(depth * size), []).append(text)
+            return self._sample(plan.task, length, plan.intro, self.haystack.prose(size, inserts), plan.question,
                                 plan.answer_start, plan.answers)
 
         longest = max(plans, key=lambda plan: len(build(0, plan).prompt))
         fitted = self._fit(lambda size: build(size, longest), length)
         return [dataclasses.replace(fitted if plan is longest else self._sample(
-            plan.task, length, NIAH_INTRO, fitted.document, plan.question, plan.answer_start, plan.answers),
+            plan.task, length, plan.intro, fitted.document, plan.question, plan.answer_start, plan.answers),
             number=number) for plan, number in zip(plans, numbers)]
 
     def _niah_single(self, rng):
@@ -360,7 +363,7 @@ class Generator:
                 names.append(name)
         return names
 
-    def _vt(self, rng, length):
+    def _vt(self, rng):
         """The asked chain and 2 decoys, each a value and 1 to 4 hops; each chain's lines in order at random depths."""
         hops = [rng.randint(1, 4) for _ in range(3)]
         values = self._numbers(rng, 3, 5)
@@ -376,15 +379,8 @@ class Generator:
         answers = chains[0]
         question = f"\n\nWhich variables hold the value {values[0]}, directly or through other variables?"
         answer_start = f"{len(answers)} variables hold the value {values[0]}. They are:"
-
-        def build(size: int) -> Sample:
-            inserts: dict[int, list[str]] = {}
-            for depth, line in placed:
-                inserts.setdefault(round(depth * size), []).append(f"\n{line}\n")
-            return self._sample("vt", length, VT_INTRO, self.haystack.prose(size, inserts), question, answer_start,
-                                answers)
-
-        return self._fit(build, length)
+        return Plan("vt", VT_INTRO, [(depth, f"\n{line}\n") for depth, line in placed],
+                    {name for chain in chains for name in chain} | set(values), question, answer_start, answers)
 
     # --- common and frequent words ---
 
@@ -666,9 +662,9 @@ def main() -> None:
                              "the prompt read once for all: ';'-separated groups of NAME=NUMBER, NAME one of "
                              f"{', '.join(QUESTION_SETTINGS)} (e.g. 'question_pools=0,query_topk=1024'); a row each")
     parser.add_argument("--shared-document", action="store_true",
-                        help=f"the needle tasks ({', '.join(NIAH_TASKS)}): one document holds every sample's needles "
-                             "and each sample asks its own question of it, so the document is read once (what makes "
-                             "10 samples at 1M one read); each question meets the other samples' needles too")
+                        help=f"{', '.join(PLANTED_TASKS)}: one document holds every sample's needles or chains and "
+                             "each sample asks its own question of it, so the document is read once (what makes 10 "
+                             "samples at 1M one read); each question meets the other samples' needles or chains too")
     parser.add_argument("--haystack", metavar="FILE",
                         help="the prose needles hide in, as UTF-8 text (default: Python's documentation, then the "
                              "system's license texts, which differ between machines: save them to a file to draw the "
@@ -679,8 +675,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.first_sample < 0 or args.samples < 1:
         parser.error("--first-sample must be >= 0 and --samples >= 1")
-    if args.shared_document and set(args.tasks) - set(NIAH_TASKS):
-        parser.error(f"--shared-document takes the needle tasks only: {', '.join(NIAH_TASKS)}")
+    if args.shared_document and set(args.tasks) - set(PLANTED_TASKS):
+        parser.error(f"--shared-document takes these tasks only: {', '.join(PLANTED_TASKS)}")
     if args.baselines and not set(args.tasks) & set(WORD_TASKS):
         parser.error(f"--baselines scores {' and '.join(WORD_TASKS)} only: name one of them in --tasks")
     run(args)

@@ -24,7 +24,7 @@ def report(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def short_report(tmp_path_factory) -> Path:
-    """About 650 tokens, the fact in the middle: for the tests that read it many times over."""
+    """About 650 tokens, the fact in the middle: for the tests that need no longer document (each read costs)."""
     return write_planted_report(tmp_path_factory.mktemp("short-docs"), FACT, topics=6, lines=70)
 
 
@@ -66,8 +66,8 @@ def test_ask_with_a_generated_answer(report, cache_dir):
     assert "41729" in out["text"]
 
 
-def test_ask_without_the_quote(report):
-    out = json.loads(ok(indexpool("ask", str(report), QUESTION, "--no-quote", "--json", "--quiet", "--no-cache",
+def test_ask_without_the_quote(short_report):
+    out = json.loads(ok(indexpool("ask", str(short_report), QUESTION, "--no-quote", "--json", "--quiet", "--no-cache",
                                   "-n", "8")))
     assert out["quotes"] == [] and out["sources"]
     assert out["request"] == f"Question: {QUESTION}\nAnswer in one short sentence, with the exact words of the document above."
@@ -101,8 +101,8 @@ def test_a_damaged_cache_entry_is_rebuilt_with_a_warning(report, tmp_path):
     assert len(list(tmp_path.glob("*.safetensors"))) == 2  # rebuilt, beside the baseline
 
 
-def test_several_questions_read_the_document_once(report, tmp_path):
-    out = ok(indexpool("ask", str(report), QUESTION, "-Q", "What is the glass tower?", "--json", "--quiet",
+def test_several_questions_read_the_document_once(short_report, tmp_path):
+    out = ok(indexpool("ask", str(short_report), QUESTION, "-Q", "What is the glass tower?", "--json", "--quiet",
                        "--no-cache", "-n", "8"))
     results = [json.loads(line) for line in out.splitlines()]
     assert [q in r["request"] for r, q in zip(results, (QUESTION, "What is the glass tower?"))] == [True, True]
@@ -133,8 +133,8 @@ def test_questions_answered_as_one_batch_match_one_by_one(short_report, tmp_path
         assert [s["share"] for s in b["sources"]] == pytest.approx([s["share"] for s in a["sources"]], abs=1.5e-4)
 
 
-def test_ask_reads_stdin(report):
-    out = ok(indexpool("ask", "-", QUESTION, "--quiet", "--no-cache", "-n", "24", stdin=report.read_bytes()))
+def test_ask_reads_stdin(short_report):
+    out = ok(indexpool("ask", "-", QUESTION, "--quiet", "--no-cache", "-n", "24", stdin=short_report.read_bytes()))
     assert "41729" in out
     assert "Sources: stdin:" in out
 
@@ -296,14 +296,14 @@ def test_defaults_from_the_config_file_and_the_environment(tmp_path):
         assert f"config file {named}: {says}" in line
 
 
-def test_chat_about_a_document_reads_it_once(report):
+def test_chat_about_a_document_reads_it_once(short_report):
     turns = f"{QUESTION}\nAnd what is the glass tower?\nThank you.\n".encode()
-    out = ok(indexpool("chat", str(report), "--json", "--quiet", "--no-cache", "--temperature", "0", "-n", "16",
+    out = ok(indexpool("chat", str(short_report), "--json", "--quiet", "--no-cache", "--temperature", "0", "-n", "16",
                        stdin=turns))
     replies = [json.loads(line) for line in out.splitlines()]
     assert len(replies) == 3
     document_tokens = replies[0]["tokens"]["document"]
-    assert document_tokens > 1000
+    assert document_tokens > 500
     assert "41729" in replies[0]["text"] and replies[0]["sources"]
     # The document was read before the first message; each turn feeds only its own message (and the last reply).
     assert all(r["fed_tokens"] < 60 for r in replies), [r["fed_tokens"] for r in replies]

@@ -356,7 +356,7 @@ def test_hybrid_indexer_on_the_command_line(tmp_path):
 
     from doc_fixtures import write_planted_report
 
-    report = write_planted_report(tmp_path, FACT, topics=6, lines=160)
+    report = write_planted_report(tmp_path, FACT, topics=6, lines=70)
     command = ["ask", str(report), QUESTION, "--indexer", "hybrid", "--json", "--quiet",
                "--cache-dir", str(tmp_path / "cache"), "-n", "16"]
     first, second = (json.loads(ok(indexpool(*command))) for _ in range(2))

@@ -1,5 +1,5 @@
 """The default model in our engine against transformers' LlamaForCausalLM loaded from the same GGUF: fp32 logits
-on five prompts up to 2K tokens, and 64 greedy tokens on each."""
+on five prompts of up to 1,300 tokens (two 512-token segments and a tail), and 64 greedy tokens on each."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from indexpool.model.generate import Sampler, SamplingParams, Session
 
 MAX_LOGIT_DIFF = 1e-3
 NEW_TOKENS = 64
+LONGEST = 1300  # the long prompt: two whole 512-token segments and a tail
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def reference():
 
 
 def prompts(tokenizer) -> list[list[int]]:
-    """Five prompts of 9 to 2048 tokens: a question, prose, code, a chat, and a long stretch of documentation."""
+    """Five prompts of 9 to 1,300 tokens: a question, prose, code, a chat, and a long stretch of documentation."""
     import inspect
     import json
 
@@ -44,7 +45,7 @@ def prompts(tokenizer) -> list[list[int]]:
         tokenizer.encode(docs[:1000]),
         tokenizer.encode(code)[:700],
         chat,
-        tokenizer.encode(docs[5000:])[:2048],
+        tokenizer.encode(docs[5000:])[:LONGEST],
     ]
 
 
@@ -63,7 +64,7 @@ def reference_greedy(model, ids: list[int], n: int) -> tuple[torch.Tensor, list[
 
 def test_prompt_lengths(ours):
     lengths = [len(p) for p in prompts(ours.tokenizer)]
-    assert max(lengths) == 2048 and min(lengths) < 16 and len(lengths) == 5
+    assert max(lengths) == LONGEST and min(lengths) < 16 and len(lengths) == 5
 
 
 @pytest.mark.parametrize("which", range(5))
@@ -71,15 +72,18 @@ def test_logits_and_greedy_tokens_match_transformers(ours, reference, which):
     ids = prompts(ours.tokenizer)[which]
     expected_logits, expected_tokens = reference_greedy(reference, ids, NEW_TOKENS)
 
-    # Our logits over the whole prompt, fed in the engine's default 512-token segments.
+    # Our logits over the whole prompt, fed in the engine's default 512-token segments into a session's cache.
     model = ours.model
-    cache = model.new_cache(len(ids))
+    session = Session(model, len(ids) + NEW_TOKENS)
     with torch.inference_mode():
-        logits = torch.cat([model(torch.tensor([ids[s : s + 512]]), s, cache, all_logits=True)[0] for s in range(0, len(ids), 512)])
+        logits = torch.cat([model(torch.tensor([ids[s : s + 512]]), s, session.cache, all_logits=True)[0]
+                            for s in range(0, len(ids), 512)])
     diff = (logits - expected_logits).abs().max().item()
     assert diff <= MAX_LOGIT_DIFF, f"max |logit difference| {diff:.2e} over {len(ids)} tokens"
 
-    session = Session(model, len(ids) + NEW_TOKENS)
+    # The session holds the prompt: generate feeds its last token again (the longest common prefix is kept), then
+    # decodes from there.
+    session.tokens = list(ids)
     greedy = Sampler(SamplingParams(temperature=0.0))
     tokens = list(session.generate(ids, greedy, NEW_TOKENS, stop_ids=frozenset()))
     assert tokens == expected_tokens

@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from benchmarks import ruler
 from benchmarks.ruler import (ADJECTIVES, NIAH_TASKS, NOUNS, TASKS, Generator, Haystack, document_words, draw,
                               recall_all, word_baselines)
 
@@ -139,11 +140,15 @@ def test_a_shared_document_passes_over_a_sample_whose_key_another_has(generator)
     assert sorted(key for key, _ in needles(shared[0])) == sorted(keys[:clash] + keys[clash + 1:])
 
 
-def test_a_shared_document_is_refused_for_the_tasks_without_needles_and_for_more_samples_than_keys(generator):
-    with pytest.raises(ValueError, match="needle tasks"):
-        generator.samples("vt", 4096, 2, seed=0, shared=True)
-    run = argparse.Namespace(samples=1721, seed=0, first_sample=0, shared_document=True)  # 1,720 keys
-    with pytest.raises(SystemExit, match=r"^ruler.py: error: only 1\d\d\d of 1721 niah_single samples .* fewer --samples$"):
+def test_a_shared_document_is_refused_for_the_word_tasks_and_for_more_samples_than_keys(generator, monkeypatch):
+    for task in ("cwe", "fwe"):
+        with pytest.raises(ValueError, match=f"not {task}'s"):
+            generator.samples(task, 4096, 2, seed=0, shared=True)
+    # 3 x 3 words: 9 keys (the 1,720 of the full lists take some 17,000 draws to run out)
+    monkeypatch.setattr(ruler, "ADJECTIVES", ADJECTIVES[:3])
+    monkeypatch.setattr(ruler, "NOUNS", NOUNS[:3])
+    run = argparse.Namespace(samples=10, seed=0, first_sample=0, shared_document=True)
+    with pytest.raises(SystemExit, match=r"^ruler.py: error: only 9 of 10 niah_single samples .* fewer --samples$"):
         draw(generator, "niah_single", 16384, run)
 
 
@@ -164,6 +169,30 @@ def test_variable_tracking_chains_resolve_to_the_answers(generator):
         assert all(sample.document.count(f"VAR {name} =") == 1 for name in sample.answers)
         hops.add(len(sample.answers) - 1)
     assert hops == {1, 2, 3, 4}
+
+
+def test_a_shared_document_holds_every_samples_chains_and_each_asks_its_own(generator):
+    """vt's samples in one document: every sample's three chains (each variable assigned once), and each question's
+    value held by exactly the variables of that sample's own chain, as when it is drawn alone."""
+    alone = generator.samples("vt", 16384, 5, seed=5)
+    shared = generator.samples("vt", 16384, 5, seed=5, shared=True)
+    document = shared[0].document
+    assert all(sample.document == document for sample in shared)
+    holds: dict[str, str] = {}
+    for name, source, copied in ASSIGNMENT.findall(document):
+        assert name not in holds
+        holds[name] = holds[copied] if copied else source
+    assert len(set(holds.values())) == 15  # 5 samples, 3 chains each
+    for sample in shared:
+        assert 0.99 * 16384 <= len(sample.prompt) <= 16384, len(sample.prompt)
+        value = re.search(r"value (\d{5})", sample.question).group(1)
+        assert sorted(n for n, v in holds.items() if v == value) == sorted(sample.answers)
+        assert document.count(value) == 1
+        own, = [each for each in alone if each.number == sample.number] or [None]
+        if own is not None:
+            assert (own.question, own.answers, own.answer_start) == (sample.question, sample.answers,
+                                                                     sample.answer_start)
+            assert set(ASSIGNMENT.findall(own.document)) <= set(ASSIGNMENT.findall(document))
 
 
 @pytest.mark.parametrize("length", [4096, 65536])  # 64K: more than the vocabulary's words 3 times each
