@@ -24,6 +24,16 @@ def needles(sample) -> list[tuple[str, str]]:
     return NEEDLE.findall(sample.document)
 
 
+def resolved_assignments(document: str) -> dict[str, str]:
+    """Each variable's value, the assignments resolved in reading order; each variable must be assigned once, after
+    the one it copies (a KeyError: used before it is defined)."""
+    holds: dict[str, str] = {}
+    for name, source, copied in ASSIGNMENT.findall(document):
+        assert name not in holds
+        holds[name] = holds[copied] if copied else source
+    return holds
+
+
 def test_samples_are_seeded(generator):
     for task in TASKS:
         first = generator.samples(task, 4096, 2, seed=7)
@@ -157,10 +167,7 @@ def test_variable_tracking_chains_resolve_to_the_answers(generator):
     asked value are exactly the answers: 2 to 5 (1 to 4 hops); the decoy chains hold other values."""
     hops = set()
     for sample in generator.samples("vt", 4096, 12, seed=5):
-        holds: dict[str, str] = {}
-        for name, source, copied in ASSIGNMENT.findall(sample.document):
-            assert name not in holds
-            holds[name] = holds[copied] if copied else source  # a KeyError: used before it is defined
+        holds = resolved_assignments(sample.document)
         value = re.search(r"value (\d{5})", sample.question).group(1)
         assert sorted(n for n, v in holds.items() if v == value) == sorted(sample.answers)
         assert sample.document.count(value) == 1 and f"{len(sample.answers)} variables" in sample.answer_start
@@ -178,10 +185,7 @@ def test_a_shared_document_holds_every_samples_chains_and_each_asks_its_own(gene
     shared = generator.samples("vt", 16384, 5, seed=5, shared=True)
     document = shared[0].document
     assert all(sample.document == document for sample in shared)
-    holds: dict[str, str] = {}
-    for name, source, copied in ASSIGNMENT.findall(document):
-        assert name not in holds
-        holds[name] = holds[copied] if copied else source
+    holds = resolved_assignments(document)
     assert len(set(holds.values())) == 15  # 5 samples, 3 chains each
     for sample in shared:
         assert 0.99 * 16384 <= len(sample.prompt) <= 16384, len(sample.prompt)
